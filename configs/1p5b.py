@@ -1,0 +1,52 @@
+"""Qwen2.5-1.5B, continual pre-training with the InfiR2 FP8 recipe (one GPU or many).
+
+  python -m infir2_jax.train --config=configs/1p5b.py --workdir=runs/1p5b
+  python -m infir2_jax.train --config=configs/1p5b.py --config.mesh.tensor=2   # TP 2, as the paper
+  python -m infir2_jax.train --config=configs/1p5b.py \
+      --config.init.hf_checkpoint=/path/to/Qwen2.5-1.5B                       # from real weights
+
+Architecture = HF Qwen/Qwen2.5-1.5B config.json. Schedule: the paper's WSD, scaled to `steps`.
+"""
+
+from infir2_jax.config import default_config
+
+
+def get_config(variant: str | None = None):
+  config = default_config()
+  config.model.vocab_size = 151936
+  config.model.hidden_size = 1536
+  config.model.intermediate_size = 8960
+  config.model.num_layers = 28
+  config.model.num_heads = 12
+  config.model.num_kv_heads = 2
+  config.model.head_dim = 0            # 1536 / 12 = 128
+  config.model.rope_theta = 1e6
+  config.model.rms_norm_eps = 1e-6
+  config.model.tie_embeddings = True
+  config.model.attention = "auto"      # cuDNN flash attention on GPU
+  config.model.remat = "save_dots"
+
+  config.data.tokenizer = "qwen2.5"
+  config.precision.recipe = "infir2"
+
+  config.seq_len = 4096
+  config.batch_size = 8
+  config.steps = 40_000
+  config.opt.lr = 1e-4                 # paper: 1e-4 -> 1e-5 with WSD
+  config.opt.min_lr_ratio = 0.1
+  config.opt.schedule = "wsd"
+  config.opt.warmup_steps = 5000
+  config.opt.decay_fraction = 0.2
+  config.opt.weight_decay = 0.1
+  config.checkpoint.every_steps = 1000
+  config.eval.every_steps = 1000
+  if variant == "smoke":               # shapes of the real model, a few steps
+    config.steps = 10
+    config.seq_len = 1024
+    config.batch_size = 2
+    config.opt.warmup_steps = 2
+    config.checkpoint.every_steps = 0
+    config.eval.every_steps = 0
+  elif variant:
+    raise ValueError(f"unknown variant {variant!r} of configs/1p5b.py; valid: 'smoke'")
+  return config

@@ -1,0 +1,27 @@
+"""Qwen2.5-7B, continual pre-training with the InfiR2 FP8 recipe; needs FSDP and/or TP.
+
+  python -m infir2_jax.train --config=configs/7b.py --config.mesh.fsdp=8 --workdir=runs/7b
+
+Architecture = HF Qwen/Qwen2.5-7B config.json (untied LM head).
+"""
+
+import importlib.util
+import os
+
+
+def get_config(variant: str | None = None):
+  spec = importlib.util.spec_from_file_location(
+      "config_1p5b", os.path.join(os.path.dirname(__file__), "1p5b.py"))
+  base = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(base)
+  config = base.get_config(variant)
+  config.model.vocab_size = 152064
+  config.model.hidden_size = 3584
+  config.model.intermediate_size = 18944
+  config.model.num_layers = 28
+  config.model.num_heads = 28
+  config.model.num_kv_heads = 4
+  config.model.head_dim = 0            # 3584 / 28 = 128
+  config.model.tie_embeddings = False
+  config.model.remat = "full"
+  return config

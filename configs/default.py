@@ -1,0 +1,24 @@
+"""The embedded default: a small Qwen2 (5M params) on the embedded real-text corpus, CPU-sized.
+
+  python -m infir2_jax.train                                    # this config
+  python -m infir2_jax.train --config.precision.recipe=infir2   # same run in FP8
+  python -m infir2_jax.train --config=configs/default.py:smoke  # a 20-step smoke run
+
+Every key and its meaning: infir2_jax/config.py and the dataclasses it names.
+"""
+
+from infir2_jax.config import default_config
+
+
+def get_config(variant: str | None = None):
+  config = default_config()
+  if variant == "smoke":
+    config.steps = 20
+    config.batch_size = 4
+    config.seq_len = 128
+    config.checkpoint.every_steps = 10
+    config.eval.every_steps = 10
+    config.eval.batches = 2
+  elif variant:
+    raise ValueError(f"unknown variant {variant!r} of configs/default.py; valid: 'smoke'")
+  return config

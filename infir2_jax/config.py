@@ -1,0 +1,159 @@
+"""Configuration: ml_collections ConfigDicts in, frozen dataclasses out.
+
+Each subsystem owns a frozen dataclass of its settings (ModelConfig, DataConfig,
+PrecisionConfig, OptConfig, ...). `default_config()` builds the ConfigDict from those
+dataclasses' defaults (the embedded default run), config files in configs/ edit it, and
+`TrainConfig.from_config_dict` turns the result back into typed, validated dataclasses once.
+Modules never see a ConfigDict.
+"""
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any
+
+import ml_collections
+
+from infir2_jax.checkpoint import CheckpointConfig
+from infir2_jax.data.config import DataConfig
+from infir2_jax.metrics import LogConfig
+from infir2_jax.model.config import ModelConfig
+from infir2_jax.optim import OptConfig
+from infir2_jax.precision.config import PrecisionConfig
+from infir2_jax.sharding import MeshConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  every_steps: int = 100     # evaluate on the validation split every N steps (0 = never)
+  batches: int = 8           # validation batches per evaluation (fixed, same every time)
+
+
+@dataclasses.dataclass(frozen=True)
+class InitConfig:
+  hf_checkpoint: str = ""    # HF Qwen2 directory to start from ("" = random init)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Everything a training run needs. Field comments are the documentation of the keys."""
+  seed: int = 0              # parameter init and data order
+  steps: int = 300           # optimizer steps
+  batch_size: int = 16       # global batch in rows of seq_len tokens, per optimizer step
+  seq_len: int = 256         # tokens per row
+  grad_accum_steps: int = 1  # micro-batches per optimizer step (batch_size must divide)
+  model: ModelConfig = ModelConfig()
+  data: DataConfig = DataConfig()
+  precision: PrecisionConfig = PrecisionConfig()
+  opt: OptConfig = OptConfig()
+  mesh: MeshConfig = MeshConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  eval: EvalConfig = EvalConfig()
+  log: LogConfig = LogConfig()
+  init: InitConfig = InitConfig()
+
+  def __post_init__(self):
+    for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    if self.batch_size % self.grad_accum_steps:
+      raise ValueError(f"batch_size={self.batch_size} is not divisible by "
+                       f"grad_accum_steps={self.grad_accum_steps}")
+
+  @classmethod
+  def from_config_dict(cls, config: ml_collections.ConfigDict) -> "TrainConfig":
+    return _from_dict(cls, config.to_dict(), prefix="")
+
+  def to_config_dict(self) -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(_to_dict(self))
+
+  def to_dict(self) -> dict[str, Any]:
+    return _to_dict(self)
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """The embedded default run: a small Qwen2 on the embedded corpus, on a laptop CPU."""
+  return TrainConfig().to_config_dict()
+
+
+def _to_dict(obj) -> dict[str, Any]:
+  out = {}
+  for field in dataclasses.fields(obj):
+    value = getattr(obj, field.name)
+    out[field.name] = _to_dict(value) if dataclasses.is_dataclass(value) else value
+  return out
+
+
+def _from_dict(cls, values: dict[str, Any], prefix: str):
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  hints = typing.get_type_hints(cls)
+  unknown = sorted(set(values) - set(fields))
+  if unknown:
+    valid = ", ".join(sorted(prefix + name for name in fields))
+    hint = ""
+    close = difflib.get_close_matches(unknown[0], list(fields), n=1)
+    if close:
+      hint = f" Did you mean {prefix + close[0]!r}?"
+    raise ValueError(f"Unknown config key(s): {', '.join(prefix + k for k in unknown)}.{hint} "
+                     f"Valid keys here: {valid}")
+  kwargs = {}
+  for name, value in values.items():
+    hint = hints[name]
+    if dataclasses.is_dataclass(hint):
+      if not isinstance(value, dict):
+        raise ValueError(f"Config key {prefix + name} must be a section, got {value!r}")
+      kwargs[name] = _from_dict(hint, value, prefix=f"{prefix}{name}.")
+    else:
+      kwargs[name] = _coerce(value, hint, prefix + name)
+  return cls(**kwargs)
+
+
+def _coerce(value, hint, key: str):
+  """Checks a leaf's type; accepts ints for floats and lists for tuples."""
+  origin = typing.get_origin(hint)
+  if origin is tuple or hint is tuple:
+    if isinstance(value, (list, tuple)):
+      return tuple(value)
+    if isinstance(value, str):  # a single entry given on the command line
+      return (value,) if value else ()
+    raise ValueError(f"Config key {key} must be a tuple, got {value!r}")
+  if origin in (typing.Union, types.UnionType):
+    return value
+  if hint is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if hint in (int, float, str, bool) and not isinstance(value, hint):
+    raise ValueError(f"Config key {key} must be {hint.__name__}, got {value!r}")
+  if hint is int and isinstance(value, bool):
+    raise ValueError(f"Config key {key} must be int, got {value!r}")
+  return value
+
+
+def flat_keys(cfg_cls=TrainConfig, prefix: str = "") -> list[str]:
+  """Every valid dotted key, e.g. 'opt.lr', 'model.hidden_size'."""
+  keys = []
+  hints = typing.get_type_hints(cfg_cls)
+  for field in dataclasses.fields(cfg_cls):
+    if dataclasses.is_dataclass(hints[field.name]):
+      keys += flat_keys(hints[field.name], f"{prefix}{field.name}.")
+    else:
+      keys.append(prefix + field.name)
+  return keys
+
+
+def check_override_flags(argv: list[str], flag: str = "config") -> None:
+  """Raises ValueError for `--config.KEY=...` flags whose KEY is not a config key.
+
+  Done before absl parses the flags so the error names the key and lists the valid ones.
+  """
+  valid = flat_keys()
+  for arg in argv[1:]:
+    if not arg.startswith(f"--{flag}."):
+      continue
+    key = arg[len(flag) + 3:].split("=", 1)[0]
+    if key in valid:
+      continue
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"Unknown config key {key!r} in {arg!r}.{hint}\nValid keys:\n  "
+                     + "\n  ".join(valid))

@@ -1,0 +1,69 @@
+"""Model hyper-parameters: the typed boundary between config files and the Qwen2 modules."""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Qwen2/Qwen2.5 decoder hyper-parameters (names follow HF's Qwen2Config where they exist).
+
+  The defaults are the embedded default: a small model of the Qwen2 family that trains on a
+  laptop CPU in minutes. Every width is a multiple of 128 so FP8 tiles align.
+  """
+  vocab_size: int = 8192            # rows of the embedding table (>= tokenizer size)
+  hidden_size: int = 256            # model width D
+  intermediate_size: int = 768      # SwiGLU hidden width F
+  num_layers: int = 4               # decoder layers
+  num_heads: int = 4                # query heads H
+  num_kv_heads: int = 2             # key/value heads (grouped-query attention)
+  head_dim: int = 0                 # 0 means hidden_size // num_heads
+  rope_theta: float = 1e6           # RoPE base frequency
+  rms_norm_eps: float = 1e-6        # RMSNorm epsilon
+  tie_embeddings: bool = True       # LM head shares the embedding table
+  qkv_bias: bool = True             # Qwen2 has biases on q/k/v (Llama has none)
+  dtype: str = "bfloat16"           # activation / compute dtype
+  param_dtype: str = "float32"      # master weights
+  init_std: float = 0.02            # normal init of linear and embedding weights
+  attention: str = "xla"            # "xla" | "cudnn" | "auto" (cudnn on GPU)
+  remat: str = "none"               # "none" | "save_dots" | "full": activation recomputation per layer
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
+                       f"model.num_kv_heads={self.num_kv_heads}")
+    if not self.head_dim and self.hidden_size % self.num_heads:
+      raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                       f"model.num_heads={self.num_heads}; set model.head_dim explicitly")
+    if self.attention not in ("xla", "cudnn", "auto"):
+      raise ValueError(f"model.attention={self.attention!r}; valid: 'xla', 'cudnn', 'auto'")
+    if self.remat not in ("none", "save_dots", "full"):
+      raise ValueError(f"model.remat={self.remat!r}; valid: 'none', 'save_dots', 'full'")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"model.{name}={getattr(self, name)!r}; valid: float32, bfloat16, float16")
+
+  @property
+  def head_size(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_heads
+
+  def num_params(self, include_embeddings: bool = True) -> int:
+    """Exact parameter count (matches jax.eval_shape of the model)."""
+    d, f, dh = self.hidden_size, self.intermediate_size, self.head_size
+    q, kv = self.num_heads * dh, self.num_kv_heads * dh
+    attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0)
+    layer = attn + 3 * d * f + 2 * d
+    n = self.num_layers * layer + d
+    if include_embeddings:
+      n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    return n
+
+  def flops_per_token(self, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul params (incl. LM head) + causal attention."""
+    d, dh = self.hidden_size, self.head_size
+    matmul_params = self.num_params(include_embeddings=False) + self.vocab_size * d
+    attention = 6 * self.num_layers * seq_len * self.num_heads * dh  # QK^T and PV, causal half
+    return 6.0 * matmul_params + attention

@@ -1,0 +1,97 @@
+"""The Qwen2/Qwen2.5 decoder-only language model (Flax linen)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from infir2_jax.model.config import ModelConfig
+from infir2_jax.model.layers import (
+    MLP, Attention, DotGeneralFactory, Linear, RMSNorm, default_dot_general_factory)
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+  config: ModelConfig
+  dot_general_factory: DotGeneralFactory = default_dot_general_factory
+
+  @nn.compact
+  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    cfg = self.config
+    dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name=name)
+    implementation = {"xla": None, "cudnn": "cudnn", "auto": None}[cfg.attention]
+    if cfg.attention == "auto" and jax.default_backend() == "gpu":
+      implementation = "cudnn"
+    attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.rope_theta,
+                     cfg.qkv_bias, implementation, dtype, param_dtype, cfg.init_std,
+                     self.dot_general_factory, name="self_attn")
+    h = x_BxLxD + attn(norm("input_layernorm")(x_BxLxD), positions_BxL, segment_ids_BxL)
+    mlp = MLP(cfg.intermediate_size, dtype, param_dtype, cfg.init_std,
+              self.dot_general_factory, name="mlp")
+    out = h + mlp(norm("post_attention_layernorm")(h))
+    return nn.with_logical_constraint(out, ("batch", "length", "act_embed"))
+
+
+class Qwen2(nn.Module):
+  """Qwen2 causal LM. `__call__` returns float32 logits [B, L, V].
+
+  Every projection (q, k, v, o, gate, up, down, lm_head) gets its dot_general from
+  `dot_general_factory`, the single point where a precision recipe plugs in.
+  """
+  config: ModelConfig
+  dot_general_factory: DotGeneralFactory = default_dot_general_factory
+
+  @nn.compact
+  def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
+               return_hidden: bool = False):
+    cfg = self.config
+    dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    if positions_BxL is None:
+      positions_BxL = jnp.broadcast_to(jnp.arange(tokens_BxL.shape[-1]), tokens_BxL.shape)
+    if segment_ids_BxL is None:
+      segment_ids_BxL = jnp.ones_like(tokens_BxL)
+
+    embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
+                     embedding_init=nn.with_logical_partitioning(
+                         nn.initializers.normal(cfg.init_std), ("vocab", "embed")),
+                     name="embed_tokens")
+    x_BxLxD = embed(tokens_BxL)
+    x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "act_embed"))
+
+    layer_cls = DecoderLayer
+    if cfg.remat != "none":
+      layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=True)
+    for i in range(cfg.num_layers):
+      x_BxLxD = layer_cls(cfg, self.dot_general_factory, name=f"layers_{i}")(
+          x_BxLxD, positions_BxL, segment_ids_BxL)
+    x_BxLxD = RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name="norm")(x_BxLxD)
+    if return_hidden:
+      return x_BxLxD
+    # LM head in the compute dtype with a float32 result: softmax and loss need f32.
+    if cfg.tie_embeddings:
+      dot_general = self.dot_general_factory("lm_head")
+      return dot_general(x_BxLxD.astype(dtype), embed.embedding.astype(dtype),
+                         (((x_BxLxD.ndim - 1,), (1,)), ((), ())), precision=None,
+                         preferred_element_type=jnp.float32)
+    head = Linear(cfg.vocab_size, ("embed", "vocab"), False, dtype, param_dtype,
+                  cfg.init_std, self._f32_factory(), name="lm_head")
+    return head(x_BxLxD)
+
+  def _f32_factory(self):
+    """Wraps the factory so the untied LM head also returns float32 logits."""
+    factory = self.dot_general_factory
+
+    def make(path):
+      dot_general = factory(path)
+      def f32_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                          preferred_element_type=None):
+        del preferred_element_type
+        return dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                           preferred_element_type=jnp.float32)
+      return f32_dot_general
+    return make

@@ -1,0 +1,187 @@
+"""The training loop: build everything from a TrainConfig, resume, step, evaluate, save."""
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infir2_jax import sharding as sharding_lib
+from infir2_jax.checkpoint import Checkpointer, abstract_like
+from infir2_jax.config import TrainConfig
+from infir2_jax.data import make_data
+from infir2_jax.metrics import MetricsWriter, peak_flops_per_device
+from infir2_jax.model import Qwen2
+from infir2_jax.optim import make_optimizer, make_schedule
+from infir2_jax.precision import make_dot_general_factory
+from infir2_jax.train_step import make_eval_step, make_train_step
+
+
+class NonFiniteLossError(FloatingPointError):
+  """Raised when a step's loss or gradient norm is NaN/Inf; the bad state is never saved."""
+
+
+def build_model(cfg: TrainConfig, telemetry: bool = False) -> Qwen2:
+  """The model with the precision recipe injected at its one point (the dot_general factory)."""
+  return Qwen2(cfg.model, make_dot_general_factory(cfg.precision, telemetry=telemetry))
+
+
+def init_params_fn(model: Qwen2, cfg: TrainConfig):
+  """rng -> boxed params (LogicallyPartitioned leaves), for abstract-first init."""
+  tokens = jnp.zeros((1, min(cfg.seq_len, 128)), jnp.int32)
+  return lambda rng: model.init(rng, tokens)["params"]
+
+
+def _global_batch(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
+  """Trains (or resumes) a run in `workdir`. Returns the last step's and eval metrics."""
+  os.makedirs(workdir, exist_ok=True)
+  mesh = sharding_lib.make_mesh(cfg.mesh)
+  rules = sharding_lib.logical_rules(cfg.mesh)
+  batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  micro_batch = cfg.batch_size // cfg.grad_accum_steps
+  if micro_batch % batch_shards:
+    raise ValueError(f"batch_size={cfg.batch_size} / grad_accum_steps={cfg.grad_accum_steps} = "
+                     f"{micro_batch} rows per micro-batch cannot be split over the "
+                     f"{batch_shards} batch shards of mesh {dict(mesh.shape)}")
+  data = make_data(cfg.data, seq_len=cfg.seq_len, global_batch_size=cfg.batch_size,
+                   seed=cfg.seed, process_index=jax.process_index(),
+                   process_count=jax.process_count())
+  if data.vocab_size > cfg.model.vocab_size:
+    raise ValueError(f"the tokenizer has {data.vocab_size} tokens but model.vocab_size is "
+                     f"{cfg.model.vocab_size}; raise model.vocab_size")
+
+  model = build_model(cfg)
+  optimizer = make_optimizer(cfg.opt, cfg.steps)
+  schedule = make_schedule(cfg.opt, cfg.steps)
+  state, shardings = sharding_lib.sharded_init(
+      init_params_fn(model, cfg), optimizer, mesh, rules, jax.random.key(cfg.seed))
+
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
+  train_iter = iter(data.train)
+  start_step = checkpointer.latest_step() or 0
+  if start_step:
+    state = checkpointer.restore(start_step, abstract_like(state, shardings), train_iter)
+  else:
+    _write_config(cfg, workdir)
+
+  batch_sharding = sharding_lib.batch_sharding(mesh)
+  metric_sharding = sharding_lib.replicated(mesh)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    train_step = jax.jit(
+        make_train_step(model, optimizer, schedule, cfg.grad_accum_steps),
+        in_shardings=(shardings, batch_sharding), out_shardings=(shardings, metric_sharding),
+        donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(model), in_shardings=(shardings["params"], batch_sharding))
+
+  eval_batches = None
+  if cfg.eval.every_steps > 0:
+    eval_batches = [_global_batch(b, batch_sharding) for b in data.eval_batches(cfg.eval.batches)]
+
+  def evaluate(params) -> float:
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      sums = [eval_step(params, b) for b in eval_batches]
+    loss_sum = sum(float(s[0]) for s in sums)
+    tokens = sum(float(s[1]) for s in sums)
+    return loss_sum / max(tokens, 1.0)
+
+  writer = MetricsWriter(workdir, cfg.log, cfg.steps, start_step)
+  writer.print(f"{cfg.model.num_params() / 1e6:.1f}M params, recipe {cfg.precision.recipe}, "
+               f"mesh {dict(mesh.shape)}, {data.summary()}, "
+               + (f"resumed from step {start_step}" if start_step else "from scratch"))
+  tokens_per_step = cfg.batch_size * cfg.seq_len
+  flops_per_step = cfg.model.flops_per_token(cfg.seq_len) * tokens_per_step
+  peak = peak_flops_per_device(cfg.log)
+  last_good = start_step if start_step else None
+  last: dict[str, Any] = {}
+
+  if eval_batches and start_step == 0:
+    last["eval_loss"] = evaluate(state["params"])
+    writer.write(0, {"eval_loss": last["eval_loss"]})
+
+  def check_finite(step: int, metrics: dict[str, float]) -> None:
+    if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+      checkpointer.wait()
+      where = (f"step {last_good} in {checkpointer.directory}" if last_good is not None
+               else "none (no checkpoint was saved)")
+      raise NonFiniteLossError(
+          f"non-finite loss {metrics['loss']} (grad norm {metrics['grad_norm']}) at step "
+          f"{step}; the state of that step was not saved. Last good checkpoint: {where}")
+
+  pending = None  # (step, device metrics) of the previous step, read while the next one runs
+  timer = _Timer()
+  log = lambda step, device_metrics: _log_step(
+      writer, step, device_metrics, timer, tokens_per_step, flops_per_step, peak, mesh.size,
+      check_finite)
+  try:
+    for step in range(start_step + 1, cfg.steps + 1):
+      batch = _global_batch(next(train_iter), batch_sharding)
+      with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        state, device_metrics = train_step(state, batch)
+      if pending is not None:  # read step N-1 while step N runs
+        last = log(*pending)
+      pending = (step, device_metrics)
+      due_save = checkpointer.should_save(step) or step == cfg.steps
+      due_eval = eval_batches and (step % cfg.eval.every_steps == 0 or step == cfg.steps)
+      if due_save or due_eval:  # this step's numbers must be known before we keep its state
+        last = log(*pending)
+        pending = None
+      if due_save:
+        checkpointer.save(step, state, train_iter)
+        last_good = step
+      if due_eval:
+        last["eval_loss"] = evaluate(state["params"])
+        writer.write(step, {"eval_loss": last["eval_loss"]})
+      if due_save or due_eval:
+        timer.reset()  # keep evaluation and checkpoint time out of the next step time
+    if pending is not None:
+      last = log(*pending)
+  finally:
+    checkpointer.close()
+    writer.close()
+  return last
+
+
+class _Timer:
+  """Wall time between consecutive metric reads: the step time once the pipeline is full."""
+
+  def __init__(self):
+    self._last = None
+
+  def lap(self) -> float | None:
+    now = time.perf_counter()
+    dt = None if self._last is None else now - self._last
+    self._last = now
+    return dt
+
+  def reset(self) -> None:
+    self._last = None
+
+
+def _log_step(writer, step, device_metrics, timer, tokens_per_step, flops_per_step, peak,
+              num_devices, check_finite):
+  metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+  dt = timer.lap()
+  check_finite(step, metrics)
+  if dt is not None:
+    metrics["step_time_s"] = dt
+    metrics["tokens_per_s"] = tokens_per_step / dt
+    if peak:
+      metrics["mfu"] = flops_per_step / dt / (peak * num_devices)
+  if step % writer.cfg.every_steps == 0:
+    writer.write(step, metrics)
+  return metrics
+
+
+def _write_config(cfg: TrainConfig, workdir: str) -> None:
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(cfg.to_dict(), f, indent=2)

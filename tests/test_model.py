@@ -1,0 +1,134 @@
+"""Qwen2 model: shapes, parameter counts, causality, packed-segment isolation, injection point."""
+
+import dataclasses
+import importlib.util
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from infir2_jax.model import ModelConfig, Qwen2
+
+TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, dtype="float32")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config(name, variant=None):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant)
+
+
+def init(cfg, factory=None, length=16):
+  model = Qwen2(cfg) if factory is None else Qwen2(cfg, factory)
+  tokens = jnp.zeros((1, length), jnp.int32)
+  params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+  return model, params
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_param_count_matches_config(tie):
+  cfg = dataclasses.replace(TINY, tie_embeddings=tie)
+  shapes = jax.eval_shape(lambda: Qwen2(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+  assert sum(x.size for x in jax.tree.leaves(shapes)) == cfg.num_params()
+  assert ("lm_head" in shapes["params"]) != tie
+
+
+@pytest.mark.parametrize("name,expected", [("1p5b", 1_543_714_304), ("7b", 7_615_616_512)])
+def test_real_configs_match_qwen25_parameter_counts(name, expected):
+  """Qwen2.5-1.5B has 1.54B parameters (tied), Qwen2.5-7B 7.62B (untied): HF model cards."""
+  from infir2_jax.config import TrainConfig
+  cfg = TrainConfig.from_config_dict(load_config(name)).model
+  shapes = jax.eval_shape(lambda: Qwen2(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+  assert sum(x.size for x in jax.tree.leaves(shapes)) == cfg.num_params() == expected
+
+
+def test_logits_are_float32_with_bf16_compute():
+  cfg = dataclasses.replace(TINY, dtype="bfloat16")
+  model, params = init(cfg)
+  logits = model.apply({"params": params}, jnp.ones((2, 8), jnp.int32))
+  assert logits.shape == (2, 8, cfg.vocab_size) and logits.dtype == jnp.float32
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+
+
+def test_causal():
+  model, params = init(TINY)
+  tokens = jax.random.randint(jax.random.key(1), (1, 16), 0, TINY.vocab_size)
+  changed = tokens.at[0, 10].set((tokens[0, 10] + 1) % TINY.vocab_size)
+  a = model.apply({"params": params}, tokens)
+  b = model.apply({"params": params}, changed)
+  np.testing.assert_array_equal(a[0, :10], b[0, :10])
+  assert not np.allclose(a[0, 10:], b[0, 10:])
+
+
+def test_packed_segments_do_not_attend_to_each_other():
+  """Two documents packed in one row give the same logits as each document alone."""
+  model, params = init(TINY)
+  doc1 = jax.random.randint(jax.random.key(2), (1, 7), 0, TINY.vocab_size)
+  doc2 = jax.random.randint(jax.random.key(3), (1, 9), 0, TINY.vocab_size)
+  packed = jnp.concatenate([doc1, doc2], axis=1)
+  segments = jnp.array([[1] * 7 + [2] * 9])
+  positions = jnp.array([list(range(7)) + list(range(9))])
+  out = model.apply({"params": params}, packed, positions, segments)
+  alone1 = model.apply({"params": params}, doc1)
+  alone2 = model.apply({"params": params}, doc2)
+  np.testing.assert_allclose(out[:, :7], alone1, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(out[:, 7:], alone2, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_theta_matters():
+  model_a, params = init(TINY)
+  model_b = Qwen2(dataclasses.replace(TINY, rope_theta=10.0))
+  tokens = jax.random.randint(jax.random.key(4), (1, 16), 0, TINY.vocab_size)
+  a = model_a.apply({"params": params}, tokens)
+  b = model_b.apply({"params": params}, tokens)
+  assert not np.allclose(a[0, 1:], b[0, 1:])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_every_projection_uses_the_injected_dot_general(tie):
+  cfg = dataclasses.replace(TINY, tie_embeddings=tie)
+  seen = []
+
+  def factory(path):
+    seen.append(path)
+    def dot_general(lhs, rhs, dims, precision=None, preferred_element_type=None):
+      # A recognisable change: every projection's output doubled.
+      return 2 * lax.dot_general(lhs, rhs, dims, precision=precision,
+                                 preferred_element_type=preferred_element_type)
+    return dot_general
+
+  _, params = init(cfg)
+  seen.clear()
+  tokens = jnp.ones((1, 8), jnp.int32)
+  doubled = Qwen2(cfg, factory).apply({"params": params}, tokens)
+  expected = {f"layers_{i}/{block}/{name}" for i in range(cfg.num_layers)
+              for block, names in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+              for name in (f"{n}_proj" for n in names)} | {"lm_head"}
+  assert set(seen) == expected
+  plain = Qwen2(cfg).apply({"params": params}, tokens)
+  assert not np.allclose(doubled, plain)
+
+
+@pytest.mark.parametrize("remat", ["save_dots", "full"])
+def test_remat_gives_the_same_gradients(remat):
+  tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, TINY.vocab_size)
+  model, params = init(TINY)
+  loss = lambda m: lambda p: jnp.mean(m.apply({"params": p}, tokens) ** 2)
+  g_plain = jax.grad(loss(model))(params)
+  g_remat = jax.grad(loss(Qwen2(dataclasses.replace(TINY, remat=remat))))(params)
+  for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_model_config_is_a_clear_error():
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    ModelConfig(num_heads=4, num_kv_heads=3)
+  with pytest.raises(ValueError, match="remat"):
+    ModelConfig(remat="sometimes")

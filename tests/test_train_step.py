@@ -1,0 +1,121 @@
+"""Train step: exact per-token averaging, gradient accumulation, schedules, decay masks."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from infir2_jax.model import ModelConfig, Qwen2
+from infir2_jax.optim import OptConfig, decay_mask, make_optimizer, make_schedule
+from infir2_jax.train_step import loss_sums, make_train_step, split_microbatches
+
+TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, dtype="float32")
+
+
+def make_batch(rows=8, length=16, seed=0):
+  rng = np.random.default_rng(seed)
+  mask = (rng.random((rows, length)) < 0.6).astype(np.float32)  # uneven tokens per row
+  return {"inputs": rng.integers(0, 256, (rows, length), dtype=np.int32),
+          "targets": rng.integers(0, 256, (rows, length), dtype=np.int32),
+          "segment_ids": np.ones((rows, length), np.int32),
+          "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
+          "loss_mask": mask}
+
+
+def setup(accum=1, tx=None):
+  model = Qwen2(TINY)
+  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  opt_cfg = OptConfig(lr=1e-2, warmup_steps=0, clip_norm=0.0)
+  tx = tx or make_optimizer(opt_cfg, 10)
+  state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
+  step = jax.jit(make_train_step(model, tx, make_schedule(opt_cfg, 10), accum))
+  return model, state, step
+
+
+def test_loss_is_the_per_token_mean_over_the_whole_batch():
+  model, state, step = setup()
+  batch = make_batch()
+  _, metrics = step(state, batch)
+  logits = np.asarray(model.apply({"params": state["params"]}, batch["inputs"]), np.float64)
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                                                                             keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+  expected = (nll * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+  np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=1e-5)
+  assert float(metrics["loss_tokens"]) == batch["loss_mask"].sum()
+
+
+@pytest.mark.parametrize("accum", [2, 4])
+def test_gradient_accumulation_equals_one_big_batch(accum):
+  batch = make_batch()
+  sgd = optax.sgd(1.0)  # params move by exactly -grads: compares the averaged gradients
+  _, state1, step1 = setup(1, sgd)
+  _, state_k, step_k = setup(accum, sgd)
+  new1, m1 = step1(state1, batch)
+  new_k, m_k = step_k(state_k, batch)
+  np.testing.assert_allclose(m1["loss"], m_k["loss"], rtol=1e-5)
+  np.testing.assert_allclose(m1["grad_norm"], m_k["grad_norm"], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(new1["params"]), jax.tree.leaves(new_k["params"])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_microbatches_take_strided_rows():
+  batch = {"x": np.arange(8)[:, None]}
+  split = split_microbatches(batch, 2)["x"][..., 0]
+  np.testing.assert_array_equal(split, [[0, 2, 4, 6], [1, 3, 5, 7]])
+
+
+def test_masked_tokens_do_not_contribute():
+  model, state, _ = setup()
+  batch = make_batch()
+  grad = jax.grad(lambda p, b: loss_sums(model, p, b)[0])
+  changed = dict(batch, targets=np.where(batch["loss_mask"] > 0, batch["targets"],
+                                         (batch["targets"] + 7) % 256))
+  for a, b in zip(jax.tree.leaves(grad(state["params"], batch)),
+                  jax.tree.leaves(grad(state["params"], changed))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_wsd_schedule_shape():
+  cfg = OptConfig(lr=1.0, schedule="wsd", warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.1)
+  lr = make_schedule(cfg, 100)
+  np.testing.assert_allclose([lr(0), lr(5), lr(10), lr(50), lr(80), lr(90), lr(100)],
+                             [0.0, 0.5, 1.0, 1.0, 1.0, 0.55, 0.1], atol=1e-6)
+
+
+def test_cosine_schedule_shape():
+  cfg = OptConfig(lr=1.0, schedule="cosine", warmup_steps=5, min_lr_ratio=0.1)
+  lr = make_schedule(cfg, 105)
+  np.testing.assert_allclose([lr(0), lr(5), lr(55), lr(105)], [0.0, 1.0, 0.55, 0.1], atol=1e-6)
+
+
+def test_no_weight_decay_on_norms_and_biases():
+  params = {"kernel": jnp.ones((4, 4)), "bias": jnp.ones((4,)), "scale": jnp.ones((4,))}
+  assert decay_mask(params) == {"kernel": True, "bias": False, "scale": False}
+  tx = make_optimizer(OptConfig(lr=0.1, warmup_steps=0, weight_decay=0.5, clip_norm=0.0), 10)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  assert float(new["kernel"][0, 0]) < 1.0
+  assert float(new["bias"][0]) == 1.0 and float(new["scale"][0]) == 1.0
+
+
+def test_gradients_are_clipped_by_global_norm_before_adam():
+  # b1 = b2 = 0 and eps = 1 make Adam's step g / (|g| + 1) elementwise, so it shows the clip:
+  # g = (30, 40) has norm 50 -> clipped to (0.6, 0.8) -> step 0.6 / 1.6 = 0.375 (not 30/31).
+  params = {"w": jnp.zeros((2,))}
+  tx = make_optimizer(OptConfig(lr=1.0, warmup_steps=0, weight_decay=0.0, clip_norm=1.0,
+                                b1=0.0, b2=0.0, eps=1.0), 10)
+  updates, _ = tx.update({"w": jnp.array([30.0, 40.0])}, tx.init(params), params)
+  np.testing.assert_allclose(updates["w"], [-0.6 / 1.6, -0.8 / 1.8], rtol=1e-6)
+
+
+def test_bad_optimizer_config():
+  with pytest.raises(ValueError, match="schedule"):
+    OptConfig(schedule="linear-ish")

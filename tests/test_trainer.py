@@ -1,0 +1,132 @@
+"""Trainer end to end on the embedded data: metrics, checkpoints, resume, NaN stop, CLI errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from infir2_jax import checkpoint as checkpoint_lib
+from infir2_jax.config import TrainConfig, check_override_flags, default_config
+from infir2_jax.trainer import NonFiniteLossError, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(**overrides):
+  c = default_config()
+  c.steps = 8
+  c.batch_size = 8
+  c.seq_len = 64
+  c.model.hidden_size = 128
+  c.model.intermediate_size = 256
+  c.model.num_layers = 2
+  c.model.num_heads = 2
+  c.model.num_kv_heads = 1
+  c.opt.warmup_steps = 2
+  c.checkpoint.every_steps = 4
+  c.eval.every_steps = 4
+  c.eval.batches = 2
+  c.log.progress_bar = False
+  for key, value in overrides.items():
+    section = c
+    *path, leaf = key.split(".")
+    for name in path:
+      section = section[name]
+    section[leaf] = value
+  return TrainConfig.from_config_dict(c)
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def train_losses(workdir):
+  """step -> loss of the LAST time that step was logged (a resumed run re-logs nothing)."""
+  return {m["step"]: m["loss"] for m in read_metrics(workdir) if "loss" in m}
+
+
+def test_train_writes_metrics_checkpoints_and_events(tmp_path):
+  workdir = str(tmp_path)
+  last = train(tiny_config(), workdir)
+  metrics = read_metrics(workdir)
+  steps = [m["step"] for m in metrics if "loss" in m]
+  assert steps == list(range(1, 9))
+  evals = [m for m in metrics if "eval_loss" in m]
+  assert [m["step"] for m in evals] == [0, 4, 8]
+  assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]  # it learns something in 8 steps
+  assert all(k in metrics[-1] or k in metrics[-2] for k in ("lr", "grad_norm"))
+  assert any("tokens_per_s" in m and "step_time_s" in m for m in metrics)
+  assert last["eval_loss"] == evals[-1]["eval_loss"]
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4", "8"]
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(workdir, "tb")))
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["steps"] == 8
+
+
+class _Killed(Exception):
+  pass
+
+
+def test_resume_after_interruption_is_bit_identical(tmp_path, monkeypatch):
+  """A run stopped right after its step-4 checkpoint, re-run with the same command, continues
+  exactly: the losses of steps 5-8 equal the uninterrupted run's bit for bit (CPU)."""
+  full = str(tmp_path / "full")
+  train(tiny_config(**{"eval.every_steps": 0}), full)
+
+  resumed = str(tmp_path / "resumed")
+  save = checkpoint_lib.Checkpointer.save
+
+  def save_then_die(self, step, state, data_iterator):
+    save(self, step, state, data_iterator)
+    if step == 4:
+      self.wait()
+      raise _Killed()
+
+  monkeypatch.setattr(checkpoint_lib.Checkpointer, "save", save_then_die)
+  with pytest.raises(_Killed):
+    train(tiny_config(**{"eval.every_steps": 0}), resumed)
+  monkeypatch.setattr(checkpoint_lib.Checkpointer, "save", save)
+  assert max(train_losses(resumed)) == 4
+  train(tiny_config(**{"eval.every_steps": 0}), resumed)
+
+  expected, got = train_losses(full), train_losses(resumed)
+  assert sorted(got) == list(range(1, 9))
+  for step in range(1, 9):
+    assert got[step] == expected[step], (step, got[step], expected[step])
+
+
+def test_nan_loss_stops_with_the_last_good_checkpoint(tmp_path):
+  workdir = str(tmp_path)
+  cfg = tiny_config(**{"opt.lr": 1e30, "opt.warmup_steps": 0, "checkpoint.every_steps": 1,
+                       "eval.every_steps": 0})
+  with pytest.raises(NonFiniteLossError) as error:
+    train(cfg, workdir)
+  message = str(error.value)
+  bad_step = int(message.split(" at step ")[1].split(";")[0])
+  saved = sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")) if s.isdigit())
+  assert saved and max(saved) == bad_step - 1, (message, saved)
+  assert f"Last good checkpoint: step {bad_step - 1}" in message
+
+
+def test_unknown_config_key_lists_valid_keys():
+  with pytest.raises(ValueError, match="Did you mean 'opt.lr'") as error:
+    check_override_flags(["train", "--config.opt.lrr=1"])
+  assert "model.hidden_size" in str(error.value)
+  check_override_flags(["train", "--config.opt.lr=1", "--workdir=x"])
+  bad = default_config()
+  bad.unlock()
+  bad.opt.momentum = 0.9
+  with pytest.raises(ValueError, match="opt.momentum"):
+    TrainConfig.from_config_dict(bad)
+
+
+def test_cli_rejects_unknown_key_and_reports_it():
+  result = subprocess.run(
+      [sys.executable, "-m", "infir2_jax.train", "--config.modle.hidden_size=3"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert result.returncode != 0
+  assert "Unknown config key 'modle.hidden_size'" in result.stderr
+  assert "model.hidden_size" in result.stderr
