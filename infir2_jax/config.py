@@ -7,10 +7,14 @@ dataclasses' defaults (the embedded default run), config files in configs/ edit 
 Modules never see a ConfigDict.
 """
 
+import ast
 import dataclasses
 import difflib
+import importlib.util
+import os
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
@@ -157,3 +161,53 @@ def check_override_flags(argv: list[str], flag: str = "config") -> None:
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise ValueError(f"Unknown config key {key!r} in {arg!r}.{hint}\nValid keys:\n  "
                      + "\n  ".join(valid))
+
+
+def load_config(spec: str = "", overrides: "dict[str, Any] | Sequence[str]" = ()) -> TrainConfig:
+  """A TrainConfig from a config file spec "path/to/config.py[:variant]" ("" = the default)
+  and overrides given as {"opt.lr": 1e-3} or ["opt.lr=1e-3", ...] (values parsed as Python
+  literals, else kept as strings). The programmatic twin of the command line, for sweeps,
+  notebooks and benchmarks."""
+  config = get_config_dict(spec)
+  items = overrides.items() if isinstance(overrides, dict) else (
+      _split_override(o) for o in overrides)
+  valid = flat_keys()
+  for key, value in items:
+    if key not in valid:
+      close = difflib.get_close_matches(key, valid, n=1)
+      raise ValueError(f"Unknown config key {key!r}."
+                       + (f" Did you mean {close[0]!r}?" if close else "")
+                       + f" Valid keys: {', '.join(valid)}")
+    *path, leaf = key.split(".")
+    section = config
+    for name in path:
+      section = section[name]
+    section[leaf] = value
+  return TrainConfig.from_config_dict(config)
+
+
+def get_config_dict(spec: str = "") -> ml_collections.ConfigDict:
+  """Runs a config file's get_config(variant); "" gives default_config()."""
+  if not spec:
+    return default_config()
+  path, _, variant = spec.partition(":")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"config file {path!r} does not exist")
+  module_spec = importlib.util.spec_from_file_location(
+      "infir2_config_" + os.path.splitext(os.path.basename(path))[0], path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  config = module.get_config(variant or None)
+  config.unlock()
+  return config
+
+
+def _split_override(override: str) -> tuple[str, Any]:
+  if "=" not in override:
+    raise ValueError(f"override {override!r} must look like 'a.b=value'")
+  key, text = override.split("=", 1)
+  try:
+    value = ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    value = text
+  return key.strip(), value

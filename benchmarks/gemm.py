@@ -1,0 +1,244 @@
+"""Block-scaled FP8 GEMM benchmark on one Hopper GPU: ours vs XLA bf16 / FP8 / dequant.
+
+  PYTHONPATH=. python3 benchmarks/gemm.py --out benchmarks/results/gemm_h200.json [--sweep]
+
+Shapes: 8192^3 and every linear of Qwen2.5-1.5B / 7B at 16384 tokens in its fprop
+(M=T, N=out, K=in), dgrad (M=T, N=in, K=out) and wgrad (M=in, N=out, K=T)
+shapes. For each: TFLOP/s of our kernel, of XLA bf16 jnp.dot, of XLA FP8 with
+per-tensor scales (K-major B), and of XLA dequantize-then-bf16, all in the same
+run; ratios to XLA bf16; ||out - ref|| / ||ref|| of ours against a float64
+reference on sampled rows, on fresh random inputs quantized by the reference
+quantizer. Results are written after every shape.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from infir2_jax import kernels
+from infir2_jax.kernels import benchtools
+from infir2_jax.kernels import gemm
+
+TOKENS = 16384
+MODELS = {  # linear name -> (in, out); duplicates (k=v, gate=up, q=o) measured once
+    "1p5b": {"q_proj": (1536, 1536), "k_proj": (1536, 256), "v_proj": (1536, 256),
+             "o_proj": (1536, 1536), "gate_proj": (1536, 8960), "up_proj": (1536, 8960),
+             "down_proj": (8960, 1536)},
+    "7b": {"q_proj": (3584, 3584), "k_proj": (3584, 512), "v_proj": (3584, 512),
+           "o_proj": (3584, 3584), "gate_proj": (3584, 18944), "up_proj": (3584, 18944),
+           "down_proj": (18944, 3584)},
+}
+SWEEP = [
+    gemm.TuningConfig(max_concurrent_steps=5),
+    gemm.TuningConfig(max_concurrent_steps=6, epi_n=64),
+    gemm.TuningConfig(promotion="paired", max_concurrent_steps=3),
+    gemm.TuningConfig(promotion="paired", max_concurrent_steps=3, cluster="n"),
+    gemm.TuningConfig(promotion="paired", max_concurrent_steps=3, cluster="m"),
+    gemm.TuningConfig(max_concurrent_steps=5, cluster="n"),
+    gemm.TuningConfig(tile_n=192, max_concurrent_steps=4),
+]
+NT = (((1,), (1,)), ((), ()))
+
+
+def gemm_shapes(model):
+  """[(label, M, N, K, b_scale kind, count)] with duplicate linears counted."""
+  seen = {}
+  for name, (din, dout) in MODELS[model].items():
+    for gemm_name, (m, n, k, kind) in {"fprop": (TOKENS, dout, din, "block"),
+                                       "dgrad": (TOKENS, din, dout, "block"),
+                                       "wgrad": (din, dout, TOKENS, "row")}.items():
+      key = (m, n, k, kind)
+      if key in seen:
+        seen[key][1].append(f"{name}.{gemm_name}")
+      else:
+        seen[key] = (f"{model}.{name}.{gemm_name}", [f"{name}.{gemm_name}"])
+  return [(label, *key, names) for key, (label, names) in seen.items()]
+
+
+def make_operands(m, n, k, kind, seed):
+  """bf16 X [M,K], W [N,K] ~ N(0,1) and their reference quantization."""
+  kx, kw = jax.random.split(jax.random.key(seed))
+
+  @jax.jit
+  def gen(kx, kw):
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = jax.random.normal(kw, (n, k), jnp.bfloat16)
+    a_q, a_s = kernels.quantize_tiles_reference(x)
+    b_q, b_s = (kernels.quantize_tiles_reference(w) if kind == "row"
+                else kernels.quantize_blocks_reference(w))
+    return x, w.T, a_q, a_s, b_q, b_s
+  return gen(kx, kw)
+
+
+def rel_err_f64(out, a_q, a_s, b_q, b_s, rows):
+  """||out - ref|| / ||ref|| over the sampled rows, ref in float64 on the host."""
+  k = a_q.shape[1]
+  col = np.arange(k) // 128
+  a = np.asarray(a_q[rows].astype(jnp.float32), np.float64) * np.asarray(a_s[rows], np.float64)[:, col]
+  b = np.asarray(b_q.astype(jnp.float32), np.float64)
+  bs = np.asarray(b_s, np.float64)
+  if bs.shape[0] != b.shape[0]:
+    bs = bs[np.arange(b.shape[0]) // 128]
+  ref = a @ (b * bs[:, col]).T
+  got = np.asarray(out[rows].astype(jnp.float32), np.float64)
+  return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+def xla_fp8_tensorwise(a8, b8, sa, sb):
+  """Per-tensor scaled FP8 GEMM, QDQ pattern XLA rewrites into a cuBLASLt f8 call."""
+  a = a8.astype(jnp.bfloat16) * sa.astype(jnp.bfloat16)
+  b = b8.astype(jnp.bfloat16) * sb.astype(jnp.bfloat16)
+  return lax.dot_general(a, b, NT, preferred_element_type=jnp.bfloat16)
+
+
+def xla_fp8_direct(a8, b8, s):
+  """Per-tensor scaled FP8 GEMM written as a direct f8 x f8 dot_general (K-major B)."""
+  return (lax.dot_general(a8, b8, NT, preferred_element_type=jnp.float32) * s).astype(jnp.bfloat16)
+
+
+def xla_dequant_bf16(a_q, a_s, b_q, b_s):
+  """Dequantize both operands (block scales) to bf16, then one bf16 GEMM."""
+  k = a_q.shape[1]
+  sa = jnp.repeat(a_s, 128, axis=1)[:, :k]
+  sb = b_s if b_s.shape[0] == b_q.shape[0] else jnp.repeat(b_s, 128, axis=0)[:b_q.shape[0]]
+  sb = jnp.repeat(sb, 128, axis=1)[:, :k]
+  a = (a_q.astype(jnp.float32) * sa).astype(jnp.bfloat16)
+  b = (b_q.astype(jnp.float32) * sb).astype(jnp.bfloat16)
+  return lax.dot_general(a, b, NT, preferred_element_type=jnp.bfloat16)
+
+
+def has_f8_gemm(fn, *args):
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  return "f8" in text and ("cublas$lt$matmul$f8" in text or "__triton_gemm" in text)
+
+
+def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True):
+  flops = 2.0 * m * n * k
+  x, w_t, a_q, a_s, b_q, b_s = make_operands(m, n, k, kind, seed)
+  row = {"label": label, "M": m, "N": n, "K": k, "b_scale": kind}
+  tflops = lambda ms: flops / (ms * 1e-3) / 1e12
+  ours = {}
+  for cfg in configs:
+    print(f"compiling ours {label} {cfg}", flush=True)
+    f = jax.jit(lambda *a, cfg=cfg: kernels.block_scaled_matmul(*a, config=cfg))
+    try:
+      ms = benchtools.device_ms(f, (a_q, a_s, b_q, b_s), iters)
+      ours[str(cfg)] = {"ms": ms, "tflops": tflops(ms)}
+    except Exception as e:  # noqa: BLE001 - record and continue with the next config
+      ours[str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+      print(f"  {label} {cfg}: {ours[str(cfg)]['error']}", flush=True)
+  timed = {c: v for c, v in ours.items() if "ms" in v}
+  row["ours_by_config"] = ours
+  if timed:
+    best_cfg = min(timed, key=lambda c: timed[c]["ms"])
+    row["ours"] = dict(timed[best_cfg], config=best_cfg)
+    cfg = next(c for c in configs if str(c) == best_cfg)  # may be None (default_config)
+    out = jax.jit(lambda *a: kernels.block_scaled_matmul(*a, config=cfg))(a_q, a_s, b_q, b_s)
+    rows = np.unique(np.concatenate([np.random.default_rng(seed).integers(0, m, 32), [0, m - 1]]))
+    row["rel_err_vs_f64"] = rel_err_f64(out, a_q, a_s, b_q, b_s, rows)
+    row["rel_err_rows_sampled"] = int(len(rows))
+    row["nan_in_output"] = bool(jnp.any(jnp.isnan(out)))
+  if with_baselines:
+    ms = benchtools.device_ms(jax.jit(jnp.dot), (x, w_t), iters)
+    row["xla_bf16"] = {"ms": ms, "tflops": tflops(ms)}
+    one = jnp.float32(1.0)
+    variants = {}
+    for name, fn, fargs in (("qdq", xla_fp8_tensorwise, (a_q, b_q, one, one)),
+                            ("direct", xla_fp8_direct, (a_q, b_q, one))):
+      ms = benchtools.device_ms(jax.jit(fn), fargs, iters)
+      variants[name] = {"ms": ms, "tflops": tflops(ms), "f8_gemm_in_hlo": has_f8_gemm(fn, *fargs)}
+    fp8 = [v for v in variants.values() if v["f8_gemm_in_hlo"]] or list(variants.values())
+    row["xla_fp8_tensorwise"] = dict(min(fp8, key=lambda v: v["ms"]), variants=variants)
+    ms = benchtools.device_ms(jax.jit(xla_dequant_bf16), (a_q, a_s, b_q, b_s), iters)
+    row["xla_dequant_bf16"] = {"ms": ms, "tflops": tflops(ms)}
+    if "ours" in row:
+      base = row["xla_bf16"]["ms"]
+      row["speedup_vs_xla_bf16"] = base / row["ours"]["ms"]
+      row["xla_fp8_tensorwise_vs_xla_bf16"] = base / row["xla_fp8_tensorwise"]["ms"]
+  del x, w_t, a_q, a_s, b_q, b_s
+  return row
+
+
+def geomean(xs):
+  return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def summarize(rows, shapes_by_model):
+  summary = {}
+  for model, shapes in shapes_by_model.items():
+    ratios = []
+    for label, *_, names in shapes:
+      r = next((r for r in rows if r["label"] == label and "speedup_vs_xla_bf16" in r), None)
+      if r is not None:
+        ratios += [r["speedup_vs_xla_bf16"]] * len(names)  # each linear of the layer counts
+    summary[f"{model}_geomean_speedup_vs_xla_bf16"] = geomean(ratios)
+    summary[f"{model}_gemms_measured"] = len(ratios)
+  r = next((r for r in rows if r["label"] == "square8192" and "speedup_vs_xla_bf16" in r), None)
+  summary["square8192_speedup_vs_xla_bf16"] = r and r["speedup_vs_xla_bf16"]
+  return summary
+
+
+def main(argv):
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", required=True)
+  p.add_argument("--models", default="1p5b,7b")
+  p.add_argument("--sweep", action="store_true", help="time SWEEP configs at 8192^3 first")
+  p.add_argument("--top", type=int, default=2, help="configs per shape after the sweep")
+  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--deadline", type=float, default=1e9, help="seconds; skip shapes after")
+  args = p.parse_args(argv)
+  t0 = time.time()
+  result = {"info": benchtools.run_info(["benchmarks/gemm.py", *argv]), "rows": []}
+
+  def save():
+    result["info"]["timing_method"] = benchtools.timing_method()
+    result["info"]["elapsed_s"] = time.time() - t0
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
+
+  configs = [None]  # the library's own choice (gemm.default_config)
+  if args.sweep:
+    row = bench_shape("sweep8192", 8192, 8192, 8192, "block", SWEEP, args.iters, 0,
+                      with_baselines=False)
+    result["sweep"] = row
+    save()
+    timed = [(v["ms"], c) for c in SWEEP if "ms" in (v := row["ours_by_config"][str(c)])]
+    configs = [c for _, c in sorted(timed, key=lambda t: t[0])[:args.top]] + [None]
+    print("sweep:", {str(c): round(v["tflops"], 1) for c, v in
+                     zip(SWEEP, row["ours_by_config"].values()) if "tflops" in v}, flush=True)
+  result["configs_per_shape"] = [str(c) for c in configs]  # "None": gemm.default_config
+  shapes_by_model = {m: gemm_shapes(m) for m in args.models.split(",") if m}
+  todo = [("square8192", 8192, 8192, 8192, "block", ["square"])]
+  for shapes in shapes_by_model.values():
+    todo += shapes
+  skipped = []
+  for i, (label, m, n, k, kind, names) in enumerate(todo):
+    if time.time() - t0 > args.deadline:
+      skipped.append(label)
+      continue
+    row = bench_shape(label, m, n, k, kind, configs, args.iters, seed=i + 1)
+    row["linears"] = names
+    result["rows"].append(row)
+    print(f"{label:28s} M={m:6d} N={n:6d} K={k:6d} ours={row.get('ours', {}).get('tflops', 0):7.1f}"
+          f" bf16={row['xla_bf16']['tflops']:7.1f} fp8t={row['xla_fp8_tensorwise']['tflops']:7.1f}"
+          f" deq={row['xla_dequant_bf16']['tflops']:7.1f}"
+          f" x{row.get('speedup_vs_xla_bf16', 0):.3f} err={row.get('rel_err_vs_f64', -1):.2e}",
+          flush=True)
+    result["summary"] = summarize(result["rows"], shapes_by_model)
+    result["skipped"] = skipped
+    save()
+  result["skipped"] = skipped
+  result["summary"] = summarize(result["rows"], shapes_by_model)
+  save()
+  print(json.dumps(result["summary"], indent=1))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,64 @@
+"""Helpers of the kernel benchmarks (benchmarks/gemm.py, quantize.py): device timing, run metadata."""
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+
+_TIMING = {"method": None}
+
+
+def device_ms(fn, args, iters=20, warmup=2):
+  """Median device time (ms) of fn(*args): CUPTI kernel time, else host wall time.
+
+  CUPTI sums the kernels of one call (launch gaps excluded), the figure the
+  device-time rule of METHOD.md asks for. Without CUPTI, falls back to the
+  wall time of back-to-back calls divided by their number.
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  if _TIMING["method"] in (None, "cupti"):
+    try:
+      from jax.experimental.mosaic.gpu import profiler
+      _, times = profiler.measure(fn, iterations=iters)(*args)
+      if times:
+        _TIMING["method"] = "cupti"
+        return statistics.median(times)
+    except Exception as e:  # noqa: BLE001 - any CUPTI failure: use the fallback
+      print(f"CUPTI timing failed ({type(e).__name__}: {e}); using host timing", flush=True)
+  _TIMING["method"] = "host"
+  samples = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) * 1e3 / iters)
+  return statistics.median(samples)
+
+
+def run_info(argv):
+  """Command, commit, device and versions for a results file."""
+  def git(*a):
+    try:
+      return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+      return ""
+  dev = jax.devices()[0]
+  return {
+      "command": " ".join([os.path.basename(sys.executable), *argv]),
+      "git_commit": (lambda h: h if len(h) == 40 else "(none: no commit yet)")(
+          git("rev-parse", "HEAD")),
+      "git_note": "working tree had uncommitted changes (files under test not yet committed)",
+      "device": getattr(dev, "device_kind", str(dev)),
+      "num_sms": getattr(dev, "core_count", None),
+      "jax_version": jax.__version__,
+      "timing": "median of device times (CUPTI kernel sum per call) unless 'timing_method' says host",
+      "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+  }
+
+
+def timing_method():
+  return _TIMING["method"]

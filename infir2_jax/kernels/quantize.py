@@ -1,0 +1,258 @@
+"""Fused FP8 quantization for Hopper (Pallas Mosaic GPU), with pure-jnp references.
+
+Semantics: bit-identical to infir2_jax.precision.quantize (its docstring is the
+authority; it refines the common contract). Per tile, with floor = 2**-126:
+  x     = f32(x); subnormal x (|x| < floor) become a signed zero
+  amax  = max |x|, taken on the int32 bits (NaN propagates, above inf)
+  s     = max(amax * RN32(1 / fmax), floor)          (a select: NaN stays)
+  scale = s ("fp32") or 2**ceil(log2 s) from the exponent bits ("ue8m0")
+  q     = fp8(clip(x * (1 / scale), -fmax, fmax))    (clip as selects, RNE cast)
+For "ue8m0" this equals the contract's division form bit for bit; for "fp32" it
+is the reciprocal form, which is what XLA runs for x / broadcast(s) anyway.
+
+Shape legend: x [M, K]; 1x128 tiles along K give q [M, K], s [M, Kb]; the
+token-axis tiles for wgrad are 1x128 tiles of x^T [K, M]: qT [K, M], sT [K, Mb];
+128x128 blocks give q [M, K], s [Mb, Kb].
+
+Kernel: one CTA per 128x128 block of x (one warpgroup, ~65 KB of shared memory,
+so three CTAs share an SM and overlap their loads and stores). The block is read
+once by TMA; rows are quantized from a normal register load of shared memory,
+the token-axis tiles from a transposed load of the same buffer. Scales are
+written K-block-major ([Kb, M], [Mb, K]), the layout the GEMM reads; the
+returned [M, Kb] views are transposes that XLA cancels against the GEMM's.
+"""
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+TILE = 128
+FORMATS = {"e4m3": (jnp.float8_e4m3fn, 448.0), "e5m2": (jnp.float8_e5m2, 57344.0)}
+SCALE_FORMATS = ("ue8m0", "fp32")
+_FLOOR = float(np.finfo(np.float32).tiny)  # 2**-126: scale floor and flush threshold
+_FLOOR_BITS = 0x00800000
+
+
+def _check_formats(fmt: str, scale_format: str):
+  if fmt not in FORMATS:
+    raise ValueError(f"fmt={fmt!r}: must be one of {sorted(FORMATS)}")
+  if scale_format not in SCALE_FORMATS:
+    raise ValueError(f"scale_format={scale_format!r}: must be one of {SCALE_FORMATS}")
+
+
+def abs_bits(x32):
+  """|x| as int32 bits: ordered like |x|, every NaN above +inf."""
+  return lax.bitcast_convert_type(x32, jnp.int32) & 0x7FFFFFFF
+
+
+def scale_from_amax(amax, fmt: str = "e4m3", scale_format: str = "ue8m0"):
+  """f32 amax -> f32 scale (exact exponent-bit rounding for ue8m0; NaN/inf kept)."""
+  s = amax * np.float32(1.0 / FORMATS[fmt][1])
+  s = jnp.where(s < _FLOOR, np.float32(_FLOOR), s)
+  if scale_format == "fp32":
+    return s
+  bits = lax.bitcast_convert_type(s, jnp.int32)
+  e = lax.shift_right_logical(bits, 23) & 0xFF
+  rounded_up = lax.bitcast_convert_type(
+      lax.shift_left(e + ((bits & 0x7FFFFF) != 0).astype(jnp.int32), 23), jnp.float32)
+  return jnp.where(e == 0xFF, s, rounded_up)  # NaN and inf stay as they are
+
+
+def quantize_values(x32, inv, fmt: str):
+  """fp8(clip(flush(x) * inv)); inv already broadcast to x's shape."""
+  dtype, fmax = FORMATS[fmt]
+  x32 = jnp.where(abs_bits(x32) < _FLOOR_BITS, x32 * 0.0, x32)
+  y = x32 * inv
+  fmax = np.float32(fmax)
+  y = jnp.where(y > fmax, fmax, jnp.where(y < -fmax, -fmax, y))
+  return y.astype(dtype)
+
+
+def _tiles_along_last(x, fmt, scale_format):
+  """Reference 1x128 tiles along the last axis of a 2-D x: (q, s [M, Kb])."""
+  m, k = x.shape
+  kb = -(-k // TILE)
+  xf = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kb * TILE - k))).reshape(m, kb, TILE)
+  amax = lax.bitcast_convert_type(jnp.max(abs_bits(xf), axis=-1), jnp.float32)
+  s = scale_from_amax(amax, fmt, scale_format)
+  q = quantize_values(xf, (1.0 / s)[..., None], fmt)
+  return q.reshape(m, kb * TILE)[:, :k], s
+
+
+def quantize_tiles_reference(x, *, fmt="e4m3", scale_format="ue8m0", with_transpose=False):
+  """Pure-jnp 1x128 tile quantization: (q, s) or (q, s, qT, sT); see module doc."""
+  _check_formats(fmt, scale_format)
+  if with_transpose and x.ndim != 2:
+    raise ValueError(f"x.shape={x.shape}: with_transpose needs a 2-D [tokens, K] array")
+  lead, k = x.shape[:-1], x.shape[-1]
+  q, s = _tiles_along_last(x.reshape(-1, k), fmt, scale_format)
+  q, s = q.reshape(*lead, k), s.reshape(*lead, s.shape[-1])
+  if not with_transpose:
+    return q, s
+  return (q, s, *_tiles_along_last(x.T, fmt, scale_format))
+
+
+def quantize_blocks_reference(w, *, fmt="e4m3", scale_format="ue8m0"):
+  """Pure-jnp 128x128 block quantization of a 2-D w: (q, s [Rb, Cb])."""
+  _check_formats(fmt, scale_format)
+  if w.ndim != 2:
+    raise ValueError(f"w.shape={w.shape}: 128x128 blocks need a 2-D array")
+  r, c = w.shape
+  rb, cb = -(-r // TILE), -(-c // TILE)
+  wf = jnp.pad(w.astype(jnp.float32), ((0, rb * TILE - r), (0, cb * TILE - c)))
+  wf = wf.reshape(rb, TILE, cb, TILE)
+  amax = lax.bitcast_convert_type(jnp.max(abs_bits(wf), axis=(1, 3)), jnp.float32)
+  s = scale_from_amax(amax, fmt, scale_format)
+  q = quantize_values(wf, (1.0 / s)[:, None, :, None], fmt)
+  return q.reshape(rb * TILE, cb * TILE)[:r, :c], s
+
+
+def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose):
+  """One CTA quantizes one 128x128 block of x [M, K] (edge blocks via TMA OOB)."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  mi, ki = lax.axis_index("m"), lax.axis_index("k")
+  rows, cols = pl.ds(mi * TILE, TILE), pl.ds(ki * TILE, TILE)
+  dtype = FORMATS[fmt][0]
+  half = TILE // 2  # Registers hold 64 x 128 f32 at a time (64 per thread).
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  q_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+  q_gmem, s_gmem, *t_outs = outs
+
+  def load_half(ref, h, transposed):
+    view = ref.T if transposed else ref
+    x = plgpu.load(view.at[pl.ds(h * half, half)], layout=plgpu.Layout.WGMMA,
+                   optimized=not transposed)
+    return x.astype(jnp.float32)
+
+  def row_amax(x):
+    amax_bits = plgpu.layout_cast(jnp.max(abs_bits(x), axis=1), row_layout)
+    return lax.bitcast_convert_type(amax_bits, jnp.float32)
+
+  def quantize_half(x, s):
+    inv = lax.broadcast_in_dim(1.0 / s, x.shape, (0,))
+    return quantize_values(x, inv, fmt)
+
+  def scoped(x_smem, q_smem, qt_smem, s_smem, st_smem, bar):
+    plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, bar)
+    plgpu.barrier_wait(bar)
+    if blocks:
+      amax = jnp.maximum(row_amax(load_half(x_smem, 0, False)),
+                         row_amax(load_half(x_smem, 1, False)))
+      s_block = scale_from_amax(jnp.maximum(amax, jnp.max(amax)), fmt, scale_format)
+    for transposed, dst, s_dst in ((False, q_smem, s_smem), (True, qt_smem, st_smem)):
+      if transposed and not with_transpose:
+        continue
+      for h in range(2):
+        x = load_half(x_smem, h, transposed)
+        s = s_block if blocks else scale_from_amax(row_amax(x), fmt, scale_format)
+        dst[pl.ds(h * half, half)] = quantize_half(x, s)
+        if not blocks:
+          s_dst[0, pl.ds(h * half, half)] = s
+    if blocks:
+      s_smem[0, pl.ds(0, half)] = s_block
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, cols])
+    if blocks:  # TMA writes >= 16 bytes: four copies of the block's scale.
+      plgpu.copy_smem_to_gmem(s_smem.at[:, pl.ds(0, 4)], s_gmem.at[pl.ds(mi, 1), pl.ds(ki * 4, 4)])
+    else:
+      plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[pl.ds(ki, 1), rows])
+    if with_transpose:
+      qt_gmem, st_gmem = t_outs
+      plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[cols, rows])
+      if not blocks:
+        plgpu.copy_smem_to_gmem(st_smem, st_gmem.at[pl.ds(mi, 1), cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(
+      scoped,
+      plgpu.SMEM((TILE, TILE), x_gmem.dtype, transforms=x_transforms),
+      plgpu.SMEM((TILE, TILE), dtype, transforms=q_transforms),
+      plgpu.SMEM((TILE, TILE) if with_transpose else (8, TILE), dtype, transforms=q_transforms),
+      plgpu.SMEM((1, TILE), jnp.float32),
+      plgpu.SMEM((1, TILE), jnp.float32),
+      plgpu.Barrier(),
+  )
+
+
+def _round_up(a: int, b: int) -> int:
+  return -(-a // b) * b
+
+
+def _quantize_2d(x, *, fmt, scale_format, blocks, with_transpose, interpret):
+  """Runs the kernel on a 2-D bf16 x; returns the contract's layouts."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  _check_formats(fmt, scale_format)
+  if x.ndim != 2:
+    raise ValueError(f"x.shape={x.shape}: the kernel takes a 2-D array")
+  if x.dtype != jnp.bfloat16:
+    raise ValueError(f"x.dtype={x.dtype}: the kernel takes bfloat16 (use the reference)")
+  m, k = x.shape
+  # Whole 128x128 blocks (swizzled TMA needs whole tiles in every array): the
+  # zero padding leaves every tile's amax unchanged and is sliced off.
+  mp, kp = _round_up(m, TILE), _round_up(k, TILE)
+  xp = jnp.pad(x, ((0, mp - m), (0, kp - k))) if (mp, kp) != (m, k) else x
+  mb, kb = -(-mp // TILE), -(-kp // TILE)
+  dtype = FORMATS[fmt][0]
+  f32 = jnp.float32
+  out_type = [jax.ShapeDtypeStruct((mp, kp), dtype),
+              jax.ShapeDtypeStruct((mb, 4 * kb) if blocks else (kb, mp), f32)]
+  if with_transpose:
+    out_type += [jax.ShapeDtypeStruct((kp, mp), dtype), jax.ShapeDtypeStruct((mb, kp), f32)]
+  body = functools.partial(_kernel_body, fmt=fmt, scale_format=scale_format,
+                           blocks=blocks, with_transpose=with_transpose)
+  outs = plgpu.kernel(
+      body, out_type=tuple(out_type), grid=(mb, kb), grid_names=("m", "k"),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(xp)
+  q = outs[0][:m, :k]
+  s = outs[1][:, ::4] if blocks else outs[1].T[:m]
+  if blocks and with_transpose:
+    return q, s, outs[2][:k, :m]
+  if with_transpose:
+    return q, s, outs[2][:k, :m], outs[3].T[:k]
+  return q, s
+
+
+def quantize_tiles(x, *, fmt="e4m3", scale_format="ue8m0", with_transpose=False,
+                   interpret=False):
+  """1x128 tile quantization in one read of x.
+
+  Args:
+    x: [..., K] bfloat16 (2-D [tokens, K] when with_transpose).
+    fmt: "e4m3" or "e5m2".
+    scale_format: "ue8m0" (power-of-two scales) or "fp32".
+    with_transpose: also return the token-axis tiles (wgrad operand).
+    interpret: run the Mosaic GPU interpreter (CPU).
+
+  Returns:
+    (q [..., K], s [..., Kb]) and, with_transpose, (qT [K, M], sT [K, Mb]).
+  """
+  _check_formats(fmt, scale_format)
+  if with_transpose and x.ndim != 2:
+    raise ValueError(f"x.shape={x.shape}: with_transpose needs a 2-D [tokens, K] array")
+  if x.ndim < 2:
+    raise ValueError(f"x.shape={x.shape}: needs at least 2 dims")
+  lead, k = x.shape[:-1], x.shape[-1]
+  outs = _quantize_2d(x.reshape(-1, k), fmt=fmt, scale_format=scale_format, blocks=False,
+                      with_transpose=with_transpose, interpret=interpret)
+  q, s = outs[0].reshape(*lead, k), outs[1].reshape(*lead, outs[1].shape[-1])
+  return (q, s, *outs[2:])
+
+
+def quantize_blocks(w, *, fmt="e4m3", scale_format="ue8m0", with_transpose=False,
+                    interpret=False):
+  """128x128 block quantization of a 2-D bfloat16 w: (q, s [Rb, Cb]) [, qT].
+
+  With with_transpose also returns q of w^T (the blocks are transpose-symmetric,
+  so its scale grid is s.T).
+  """
+  if w.ndim != 2:
+    raise ValueError(f"w.shape={w.shape}: 128x128 blocks need a 2-D array")
+  return _quantize_2d(w, fmt=fmt, scale_format=scale_format, blocks=True,
+                      with_transpose=with_transpose, interpret=interpret)

@@ -1,0 +1,128 @@
+"""Tuning of the block-scaled GEMM: the frozen TuningConfig, measured defaults, fitting."""
+import dataclasses
+
+import jax.numpy as jnp
+
+BLOCK = 128  # Scale block along K (and along N for 128x128 weight blocks).
+PROMOTIONS = ("serial", "carried", "paired")
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+  """Tile sizes and schedule of the kernel.
+
+  Attributes:
+    tile_m: rows per compute warpgroup; the CTA covers 2 * tile_m rows.
+    tile_n: columns per CTA (both warpgroups share the B tile).
+    promotion: how partial sums reach the f32 accumulator. "serial" (fastest
+      measured, 1123 TFLOP/s at 8192^3 on an H200): wgmma a K block, wait, fold
+      it in; the other warpgroup's wgmma fills the gap. "carried" (1021): fold
+      block k in while the wgmma of block k+1 runs, carrying block k's partial
+      in registers (register moves every step). "paired" (434): steps of two K
+      blocks with the second wgmma in flight across steps in a persistent
+      accumulator; ptxas serializes it (C7514) and spills. K blocks per split
+      must be even for "paired", which the Mosaic GPU interpreter cannot run
+      (it stores to a wgmma accumulator).
+    max_concurrent_steps: pipeline depth (shared-memory stages); an upper bound,
+      lowered to what fits in shared memory.
+    epi_n: columns per epilogue store (None: tile_n, or narrower when that buys
+      a deeper pipeline).
+    grid_minor_dim: "m" or "n": which output axis the persistent loop walks first.
+    grid_tile_width: width of the snake-order tiles of the persistent loop.
+    memory_registers: registers per thread of the TMA warpgroup.
+    cluster: None, "m" or "n": pair CTAs along M (sharing the B tile) or N
+      (sharing the A tile), which TMA multicasts to both.
+    split_k: K splits (f32 partial outputs summed by XLA) for grids with too few
+      tiles to fill the GPU, e.g. wgrad; None picks one by a cost model.
+  """
+  tile_m: int = 64
+  tile_n: int = 128
+  promotion: str = "serial"
+  max_concurrent_steps: int = 4
+  grid_minor_dim: str = "n"
+  grid_tile_width: int = 8
+  memory_registers: int = 40
+  cluster: str | None = None
+  split_k: int | None = None
+  epi_n: int | None = None
+
+  def __post_init__(self):
+    if self.promotion not in PROMOTIONS:
+      raise ValueError(f"promotion={self.promotion!r}: must be one of {PROMOTIONS}")
+    if self.tile_m != 64:
+      raise ValueError(f"tile_m={self.tile_m}: only 64 (one wgmma M group) is supported")
+    if self.tile_n % 64 or not 64 <= self.tile_n <= 256:
+      raise ValueError(f"tile_n={self.tile_n}: must be 64, 128, 192 or 256")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps}: must be >= 2")
+    if self.grid_minor_dim not in ("m", "n"):
+      raise ValueError(f"grid_minor_dim={self.grid_minor_dim!r}: must be 'm' or 'n'")
+    if self.cluster not in (None, "m", "n"):
+      raise ValueError(f"cluster={self.cluster!r}: must be None, 'm' or 'n'")
+    if self.split_k is not None and self.split_k < 1:
+      raise ValueError(f"split_k={self.split_k}: must be None or >= 1")
+    if self.epi_n is not None and (self.epi_n % 32 or self.tile_n % self.epi_n):
+      raise ValueError(f"epi_n={self.epi_n}: must be a multiple of 32 dividing tile_n")
+
+  @property
+  def cta_m(self) -> int:
+    return 2 * self.tile_m
+
+
+# Measured on an H200 (benchmarks/NOTES_kernels.md): best of the sweep at 8192^3.
+DEFAULT_CONFIG = TuningConfig(max_concurrent_steps=6, epi_n=64)
+SMEM_BYTES = 232448  # Per-block shared memory on H100/H200 (227 KiB).
+
+
+def choose_split_k(m, n, k, config: TuningConfig, num_sms: int,
+                    flops_per_s=1.1e15, bytes_per_s=3.5e12) -> int:
+  """Split-K that minimizes a simple time model: waves of tiles plus the partials' traffic."""
+  cm = 2 if config.cluster == "m" else 1
+  cn = 2 if config.cluster == "n" else 1
+  tiles = _cdiv(m, cm * config.cta_m) * _cdiv(n, cn * config.tile_n) * cm * cn
+  kb = _cdiv(k, BLOCK)
+  best, best_t = 1, None
+  for s in range(1, 17):
+    if kb % s or kb // s < 4:
+      continue
+    rounds = _cdiv(tiles * s, num_sms)  # persistent CTAs: each takes this many items
+    t = rounds * (2.0 * config.cta_m * config.tile_n * k / s) / (flops_per_s / num_sms)
+    if s > 1:
+      t += 3 * s * m * n * 4 / bytes_per_s  # f32 partials: written, read, summed
+    if best_t is None or t < best_t:
+      best, best_t = s, t
+  return best
+
+
+def default_config(m: int, n: int, k: int) -> TuningConfig:
+  """The measured-best config for an [m, k] x [n, k] problem on an H200.
+
+  Long-K (wgrad) problems whose N is a multiple of 192 ran faster with 64x192
+  warpgroup tiles (787 vs 604 TFLOP/s at 1536x1536x16384, 928 vs 862 at
+  8960x1536x16384); everything else with DEFAULT_CONFIG.
+  """
+  del m
+  if k >= 8192 and n % 192 == 0:
+    return TuningConfig(tile_n=192, max_concurrent_steps=4)
+  return DEFAULT_CONFIG
+
+
+def fit_stages(config: TuningConfig, out_dtype) -> TuningConfig:
+  """Caps max_concurrent_steps (and narrows the epilogue) to fit shared memory."""
+  kps = 2 if config.promotion == "paired" else 1
+  stage = kps * (config.cta_m + config.tile_n) * (BLOCK + 4)  # fp8 A, B tiles + f32 scales
+  want = min(config.max_concurrent_steps, 3 if kps == 2 else 5)
+  widths = [config.epi_n] if config.epi_n else [config.tile_n, 64, 32]
+  for epi_n in widths:
+    out = 2 * config.tile_m * epi_n * jnp.dtype(out_dtype).itemsize
+    fit = (SMEM_BYTES - 2048 - out) // stage  # 2 KiB for barriers and alignment
+    if fit >= want or epi_n == widths[-1]:
+      break
+  if fit < 2:
+    raise ValueError(f"{config} does not fit in shared memory with out_dtype={out_dtype}")
+  return dataclasses.replace(config, max_concurrent_steps=min(config.max_concurrent_steps, fit),
+                             epi_n=epi_n)

@@ -1,0 +1,108 @@
+"""GPU tests of infir2_jax.kernels (Hopper only): compiled kernels vs float64 / XLA references.
+
+Run on the device machine: PYTHONPATH=. python3 -m pytest -m gpu tests/test_kernels_gpu.py
+"""
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infir2_jax import kernels
+from infir2_jax.kernels import gemm
+from tests import test_kernels as cpu
+
+pytestmark = pytest.mark.gpu
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+CONFIGS = [
+    gemm.DEFAULT_CONFIG,
+    gemm.TuningConfig(promotion="carried"),
+    gemm.TuningConfig(promotion="paired"),
+    gemm.TuningConfig(promotion="paired", cluster="n", split_k=2),
+    gemm.TuningConfig(cluster="m", max_concurrent_steps=6, epi_n=64),
+    gemm.TuningConfig(tile_n=192, max_concurrent_steps=4, grid_minor_dim="m"),
+]
+# Hopper's FP8 wgmma keeps a reduced-precision sum inside a 128-wide K block (DeepSeek-V3
+# reports ~14 bits), so an f32 output is ~1e-4 off the float64 reference (measured 1.3e-4
+# on these inputs with every config); bf16 rounding (~2e-3) dominates a bf16 output.
+F32_TOL, BF16_TOL = 1e-3, 1e-2
+
+
+@pytest.fixture(autouse=True)
+def _needs_hopper():
+  if not kernels.available():
+    pytest.skip("needs a Hopper GPU with Mosaic GPU")
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("m,n,k,kind", [(1024, 1536, 2048, "block"), (520, 264, 1000, "row")])
+def test_gemm_matches_float64(config, m, n, k, kind):
+  args = cpu._operands(m, n, k, kind, seed=m + k)
+  ref = cpu._numpy_f64(*args)
+  f = jax.jit(lambda *a: kernels.block_scaled_matmul(*a, out_dtype=jnp.float32, config=config))
+  out = f(*args)
+  assert not bool(jnp.any(jnp.isnan(out)))
+  assert cpu._rel_err(out, ref) < F32_TOL
+  again = f(*args)  # a moving result would mean a race
+  assert bool(jnp.all(out == again))
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", [
+    (E4M3, E4M3, jnp.bfloat16), (E4M3, E5M2, jnp.bfloat16), (E5M2, E5M2, jnp.float32)])
+@pytest.mark.parametrize("m,n,k,kind", [(8, 64, 128, "block"), (4096, 4096, 4096, "block"),
+                                        (2000, 3000, 1040, "row")])
+def test_gemm_dtypes_and_tails(a_dtype, b_dtype, out_dtype, m, n, k, kind):
+  args = cpu._operands(m, n, k, kind, seed=7, a_dtype=a_dtype, b_dtype=b_dtype)
+  out = jax.jit(lambda *a: kernels.block_scaled_matmul(*a, out_dtype=out_dtype))(*args)
+  assert out.shape == (m, n) and out.dtype == out_dtype
+  assert cpu._rel_err(out, cpu._numpy_f64(*args)) < (BF16_TOL if out_dtype == jnp.bfloat16 else F32_TOL)
+
+
+@pytest.mark.parametrize("m,k", [(256, 384), (1000, 1544), (4096, 1536)])
+@pytest.mark.parametrize("fmt,scale_format", [("e4m3", "ue8m0"), ("e5m2", "fp32"),
+                                              ("e4m3", "fp32")])
+def test_quantize_tiles_bit_identical_on_gpu(m, k, fmt, scale_format):
+  x = cpu._special_input(m, k, seed=m)
+  out = jax.jit(lambda x: kernels.quantize_tiles(
+      x, fmt=fmt, scale_format=scale_format, with_transpose=True))(x)
+  ref = jax.jit(lambda x: kernels.quantize_tiles_reference(
+      x, fmt=fmt, scale_format=scale_format, with_transpose=True))(x)
+  for o, r in zip(out, ref):
+    assert cpu._bit_equal(o, r)
+  q, s = jax.jit(lambda x: kernels.quantize_tiles(x, fmt=fmt, scale_format=scale_format))(x)
+  assert cpu._bit_equal(q, ref[0]) and cpu._bit_equal(s, ref[1])
+  try:
+    pq = importlib.import_module("infir2_jax.precision.quantize")
+  except ImportError as e:
+    pytest.skip(f"infir2_jax.precision.quantize not importable: {e}")
+  pq_q, pq_s = jax.jit(lambda x: pq.quantize(x, (1, 128), fmt, scale_format))(x)
+  assert cpu._bit_equal(out[0], pq_q) and cpu._bit_equal(out[1], pq_s)
+
+
+@pytest.mark.parametrize("r,c", [(1536, 8960), (200, 312)])
+@pytest.mark.parametrize("scale_format", ["ue8m0", "fp32"])
+def test_quantize_blocks_bit_identical_on_gpu(r, c, scale_format):
+  w = cpu._special_input(r, c, seed=c)
+  q, s, qt = jax.jit(lambda w: kernels.quantize_blocks(
+      w, scale_format=scale_format, with_transpose=True))(w)
+  rq, rs = jax.jit(lambda w: kernels.quantize_blocks_reference(w, scale_format=scale_format))(w)
+  assert cpu._bit_equal(q, rq) and cpu._bit_equal(s, rs) and cpu._bit_equal(qt, rq.T)
+
+
+def test_quantize_then_gemm_end_to_end():
+  """fprop of a linear: kernels' quantizers feeding the kernel GEMM, vs float64."""
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (2048, 1536), jnp.bfloat16)
+  w = jax.random.normal(kw, (1536, 896), jnp.bfloat16)  # [K, N] as the model stores it
+
+  @jax.jit
+  def fprop(x, w):
+    a_q, a_s = kernels.quantize_tiles(x)
+    wt_q, wt_s = kernels.quantize_blocks(w.T)
+    return kernels.block_scaled_matmul(a_q, a_s, wt_q, wt_s, out_dtype=jnp.float32), (a_q, a_s, wt_q, wt_s)
+  out, ops = fprop(x, w)
+  assert cpu._rel_err(out, cpu._numpy_f64(*ops)) < F32_TOL
+  exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  assert cpu._rel_err(out, exact) < 0.1  # quantization error of e4m3, for scale
