@@ -36,7 +36,14 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class InitConfig:
-  hf_checkpoint: str = ""    # HF Qwen2 directory to start from ("" = random init)
+  """Where a new run's parameters come from (ignored when the workdir has a checkpoint)."""
+  hf_checkpoint: str = ""    # HF Qwen2/Llama directory (config.json + safetensors) to start from
+  from_run: str = ""         # another run's workdir: start from its latest float32 params
+  from_run_step: int = -1    # which step of from_run (-1 = latest)
+
+  def __post_init__(self):
+    if self.hf_checkpoint and self.from_run:
+      raise ValueError("set at most one of init.hf_checkpoint and init.from_run")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,6 +71,7 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   if start_step:
     state = checkpointer.restore(start_step, abstract_like(state, shardings), train_iter)
   else:
+    state["params"] = _initial_params(cfg, state["params"], shardings["params"])
     _write_config(cfg, workdir)
 
   batch_sharding = sharding_lib.batch_sharding(mesh)
@@ -179,6 +180,21 @@ def _log_step(writer, step, device_metrics, timer, tokens_per_step, flops_per_st
   if step % writer.cfg.every_steps == 0:
     writer.write(step, metrics)
   return metrics
+
+
+def _initial_params(cfg: TrainConfig, params, param_shardings):
+  """Random init, or weights from an HF checkpoint / another run, placed shard by shard.
+
+  The Adam moments of the fresh state stay zero, which is right whatever the params are.
+  """
+  if cfg.init.hf_checkpoint:
+    from infir2_jax import hf
+    return hf.load_params_sharded(cfg.init.hf_checkpoint, cfg.model, param_shardings)
+  if cfg.init.from_run:
+    from infir2_jax import export
+    step = None if cfg.init.from_run_step < 0 else cfg.init.from_run_step
+    return export.restore_params(cfg.init.from_run, abstract_like(params, param_shardings), step)
+  return params
 
 
 def _write_config(cfg: TrainConfig, workdir: str) -> None:
