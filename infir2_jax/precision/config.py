@@ -1,0 +1,76 @@
+"""PrecisionConfig: the `precision` config section, and recipe resolution per projection path."""
+
+import dataclasses
+import re
+
+from infir2_jax.precision import gemm
+from infir2_jax.precision.recipes import Recipe, get_recipe, recipe_names
+
+# Paths that are embeddings or the LM head: BF16 unless quantize_lm_head (the paper's choice).
+HEAD_PATH_RE = re.compile(r"(^|/)(lm_head|embed_tokens)(/|$)")
+
+
+def parse_override(override: str) -> tuple[re.Pattern, str]:
+  """"REGEX=RECIPE" -> (compiled regex, recipe name); the last '=' splits."""
+  if not isinstance(override, str) or "=" not in override:
+    raise ValueError(f"precision.overrides entry {override!r}: expected 'REGEX=RECIPE', e.g. "
+                     "'layers_(0|27)/=bf16'")
+  pattern, name = override.rsplit("=", 1)
+  try:
+    regex = re.compile(pattern)
+  except re.error as e:
+    raise ValueError(f"precision.overrides entry {override!r}: bad regex {pattern!r}: {e}") from e
+  if name not in recipe_names():
+    raise ValueError(f"precision.overrides entry {override!r}: unknown recipe {name!r}; "
+                     f"valid: {recipe_names()}")
+  return regex, name
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+  """Which FP8 recipe runs where, on which backend, and how often to measure it.
+
+  Attributes:
+    recipe: named recipe for every projection (see recipes.recipe_names()).
+    overrides: "REGEX=RECIPE" entries, matched with re.search against the projection path
+      ("layers_0/self_attn/q_proj", "layers_3/mlp/down_proj", "lm_head"); the first match
+      wins, e.g. ("layers_(0|27)/=bf16",) keeps the first and last of 28 layers in BF16.
+    backend: "auto" (Pallas kernels on Hopper when available and the shapes fit, else XLA),
+      "xla", or "pallas" (error when the kernels are unusable).
+    telemetry_every_steps: collect FP8 numerics telemetry every N steps; 0 = off.
+    quantize_lm_head: let the recipe (and overrides) reach the LM head too; when False the
+      LM head and embedding paths are always bf16, whatever the overrides say.
+  """
+  recipe: str = "bf16"
+  overrides: tuple[str, ...] = ()
+  backend: str = "auto"
+  telemetry_every_steps: int = 0
+  quantize_lm_head: bool = False
+
+  def __post_init__(self):
+    if isinstance(self.overrides, str):
+      raise ValueError(f"precision.overrides={self.overrides!r} must be a tuple of "
+                       "'REGEX=RECIPE' strings, not one string")
+    object.__setattr__(self, "overrides", tuple(self.overrides))
+    if self.recipe not in recipe_names():
+      raise ValueError(f"precision.recipe={self.recipe!r}; valid: {recipe_names()}")
+    for override in self.overrides:
+      parse_override(override)
+    gemm.check_backend(self.backend)
+    if not isinstance(self.telemetry_every_steps, int) or self.telemetry_every_steps < 0:
+      raise ValueError(f"precision.telemetry_every_steps={self.telemetry_every_steps!r}: must "
+                       "be an int >= 0 (0 = off)")
+
+
+def resolve_recipe(cfg: PrecisionConfig, path: str) -> Recipe:
+  """The recipe of the projection at `path`: first matching override, else the default.
+
+  Embedding / LM-head paths get bf16 unless cfg.quantize_lm_head.
+  """
+  if HEAD_PATH_RE.search(path) and not cfg.quantize_lm_head:
+    return get_recipe("bf16")
+  for override in cfg.overrides:
+    regex, name = parse_override(override)
+    if regex.search(path):
+      return get_recipe(name)
+  return get_recipe(cfg.recipe)

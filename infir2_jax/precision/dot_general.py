@@ -1,0 +1,236 @@
+"""make_dot_general(recipe): lax.dot_general's signature, FP8 fprop/dgrad/wgrad as a custom_vjp.
+
+Any dimension numbers without batch dims are first canonicalized (outside the custom_vjp, so
+plain autodiff handles the reshapes) to the NT form x [M, K] . w [N, K]^T: Flax Dense
+(((x.ndim-1,), (0,)), ((), ())), DenseGeneral's several contracting dims, and the tied LM
+head's (((x.ndim-1,), (1,)), ((), ())) all land there; w [N, K] is K-major, as cuBLASLt and
+the Pallas kernel want it. Inside (recipes.py has the operand layouts):
+  fprop  y [M, N]  = NT(x [M, K], w [N, K])        under jax.named_scope("fp8_fprop")
+  dgrad  dx [M, K] = NT(dy [M, N], w^T [K, N])     under jax.named_scope("fp8_dgrad")
+  wgrad  dw [N, K] = NT(dy^T [N, M], x^T [K, M])   under jax.named_scope("fp8_wgrad")
+wgrad is computed as the transpose of the contract's X^T dY (a = dY^T, b = X^T): same
+operands and tiles, the [N, K] gradient of w comes out directly, with no output transpose.
+
+Residuals: the backward GEMMs' own quantized operands, made in the forward pass. X^T in its
+wgrad tiling (1x128 along tokens: 1 byte + 1/128 scales per element, instead of 2 bytes of
+bf16 X) and W in its dgrad tiling; when the backward tiling equals the forward one transposed
+(128x128 blocks, per tensor) the forward QTensor is reused, not re-quantized. An operand the
+recipe keeps in bf16 is saved as is. So under infir2 the layer saves fp8 X^T + fp8 W^T.
+The `precision` argument is ignored on quantized paths (the recipe decides).
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+from infir2_jax.precision import gemm, stats
+from infir2_jax.precision.gemm import bf16_dot_general
+from infir2_jax.precision.quantize import QTensor, quantize_tensor, resolve_tile
+from infir2_jax.precision.recipes import OperandSpec, Recipe, get_recipe
+
+SINK_SHAPE = (2, 2, len(stats.STAT_NAMES))   # (dgrad, wgrad) x (lhs, rhs) x stats
+FPROP_STATS_SHAPE = (2, len(stats.STAT_NAMES))  # (x, w) x stats
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  recipe: Recipe
+  backend: str
+  out_dtype: np.dtype
+  x_dtype: np.dtype
+  w_dtype: np.dtype
+  compute_dtype: np.dtype   # of unquantized (OperandSpec.fmt None) operands
+  telemetry: bool
+  has_sink: bool
+
+
+def quantize_operand(x: jax.Array, spec: OperandSpec, compute_dtype=None):
+  """x quantized per spec (a QTensor), or x in compute_dtype when the spec keeps it high."""
+  if not spec.quantized:
+    return x if compute_dtype is None else x.astype(compute_dtype)
+  return quantize_tensor(x, spec.tile, spec.fmt, spec.scale_format)
+
+
+def _transposed_operand(prev, raw: jax.Array, spec: OperandSpec, compute_dtype):
+  """raw^T quantized per spec, reusing `prev` (raw's quantized form) when it is the same."""
+  if not spec.quantized:
+    return raw.T.astype(compute_dtype)
+  if (isinstance(prev, QTensor) and prev.fmt == spec.fmt
+      and prev.scale_format == spec.scale_format
+      and resolve_tile(spec.tile, raw.T.shape) == (None if prev.tile is None
+                                                   else prev.tile[::-1])):
+    return prev.transpose()
+  return quantize_operand(raw.T, spec)
+
+
+def _fused_kernels(plan: _Plan, x, *specs: OperandSpec, fn: str, tile):
+  """The kernels module when its fused `fn` quantizer applies to x and all quantized specs."""
+  quantized = [sp for sp in specs if sp.quantized]
+  if (x.dtype != jnp.bfloat16 or x.ndim != 2 or not specs[0].quantized
+      or any(sp.tile != tile or (sp.fmt, sp.scale_format) != (specs[0].fmt,
+                                                             specs[0].scale_format)
+             for sp in quantized)):
+    return None
+  kernels = gemm.pallas_kernels(plan.backend)
+  return kernels if kernels is not None and hasattr(kernels, fn) else None
+
+
+def _quantize_rows(plan: _Plan, x_MxK, spec: OperandSpec, spec_t: "OperandSpec | None"):
+  """(x per spec, x^T per spec_t or None): X in fprop+wgrad, dY in dgrad+wgrad.
+
+  On Hopper both come from one read of x (kernels.quantize_tiles, with_transpose).
+  """
+  specs = (spec,) if spec_t is None else (spec, spec_t)
+  kernels = _fused_kernels(plan, x_MxK, *specs, fn="quantize_tiles", tile=(1, 128))
+  if kernels is None:
+    xq = quantize_operand(x_MxK, spec, plan.compute_dtype)
+    xt = None if spec_t is None else _transposed_operand(xq, x_MxK, spec_t, plan.compute_dtype)
+    return xq, xt
+  both = spec_t is not None and spec_t.quantized
+  out = kernels.quantize_tiles(x_MxK, fmt=spec.fmt, scale_format=spec.scale_format,
+                               with_transpose=both)
+  xq = QTensor(out[0], out[1], resolve_tile(spec.tile, x_MxK.shape), spec.scale_format)
+  if spec_t is None:
+    return xq, None
+  if not both:
+    return xq, x_MxK.T.astype(plan.compute_dtype)
+  return xq, QTensor(out[2], out[3], resolve_tile(spec_t.tile, x_MxK.T.shape),
+                     spec.scale_format)
+
+
+def _quantize_weight(plan: _Plan, w_NxK, spec: OperandSpec):
+  """W^T per spec; 128x128 blocks by kernels.quantize_blocks on Hopper."""
+  kernels = _fused_kernels(plan, w_NxK, spec, fn="quantize_blocks", tile=(128, 128))
+  if kernels is None:
+    return quantize_operand(w_NxK, spec, plan.compute_dtype)
+  q, scale = kernels.quantize_blocks(w_NxK, fmt=spec.fmt, scale_format=spec.scale_format)
+  return QTensor(q, scale, resolve_tile(spec.tile, w_NxK.shape), spec.scale_format)
+
+
+def _dtype(name, default):
+  return np.dtype(name) if name is not None else default
+
+
+def _fprop(plan: _Plan, x_MxK, w_NxK, xt_spec=None):
+  spec = plan.recipe.fprop
+  with jax.named_scope("fp8_fprop"):
+    xq, xt = _quantize_rows(plan, x_MxK, spec.lhs, xt_spec)
+    wq = _quantize_weight(plan, w_NxK, spec.rhs)
+    y_MxN = gemm.matmul_nt(xq, wq, out_dtype=_dtype(spec.out_dtype, plan.out_dtype),
+                           backend=plan.backend, fast_accum=spec.fast_accum)
+    y_MxN = y_MxN.astype(plan.out_dtype)
+  fstats = None
+  if plan.telemetry:
+    with jax.named_scope("fp8_telemetry"):
+      fstats = jnp.stack([stats.operand_stats(x_MxK, xq), stats.operand_stats(w_NxK, wq)])
+  return y_MxN, xq, xt, wq, fstats
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_matmul(plan: _Plan, x_MxK, w_NxK, sink):
+  del sink
+  y_MxN, _, _, _, fstats = _fprop(plan, x_MxK, w_NxK)
+  return (y_MxN, fstats) if plan.telemetry else y_MxN
+
+
+def _fp8_matmul_fwd(plan: _Plan, x_MxK, w_NxK, sink):
+  r = plan.recipe
+  # X^T for wgrad (tiles along tokens) is made with X's fprop quantization: one read on GPU.
+  y_MxN, xq, xt_KxM, wq, fstats = _fprop(plan, x_MxK, w_NxK, xt_spec=r.wgrad.lhs)
+  with jax.named_scope("fp8_residuals"):
+    w_KxN = _transposed_operand(wq, w_NxK, r.dgrad.rhs, plan.compute_dtype)   # N last
+  bstats = None
+  if plan.has_sink:
+    with jax.named_scope("fp8_telemetry"):
+      bstats = jnp.stack([stats.operand_stats(w_NxK.T, w_KxN),
+                          stats.operand_stats(x_MxK.T, xt_KxM)])
+  out = (y_MxN, fstats) if plan.telemetry else y_MxN
+  return out, (xt_KxM, w_KxN, bstats)
+
+
+def _fp8_matmul_bwd(plan: _Plan, res, g):
+  r = plan.recipe
+  xt_KxM, w_KxN, bstats = res
+  dy_MxN = g[0] if plan.telemetry else g
+  with jax.named_scope("fp8_dgrad"):
+    dyq, dyt_NxM = _quantize_rows(plan, dy_MxN, r.dgrad.lhs, r.wgrad.rhs)
+    dx_MxK = gemm.matmul_nt(dyq, w_KxN, out_dtype=_dtype(r.dgrad.out_dtype, plan.x_dtype),
+                            backend=plan.backend, fast_accum=r.dgrad.fast_accum)
+  with jax.named_scope("fp8_wgrad"):
+    dw_NxK = gemm.matmul_nt(dyt_NxM, xt_KxM, out_dtype=_dtype(r.wgrad.out_dtype, plan.w_dtype),
+                            backend=plan.backend, fast_accum=r.wgrad.fast_accum)
+  sink_ct = None
+  if plan.has_sink:
+    with jax.named_scope("fp8_telemetry"):
+      dgrad = jnp.stack([stats.operand_stats(dy_MxN, dyq), bstats[0]])
+      wgrad = jnp.stack([bstats[1], stats.operand_stats(dy_MxN.T, dyt_NxM)])
+      sink_ct = jnp.stack([dgrad, wgrad])
+  return dx_MxK.astype(plan.x_dtype), dw_NxK.astype(plan.w_dtype), sink_ct
+
+
+_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+
+
+def canonicalize(lhs: jax.Array, rhs: jax.Array, dimension_numbers):
+  """(x_MxK, w_NxK, out_shape) for dimension numbers without batch dims."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  if tuple(lb) or tuple(rb):
+    raise NotImplementedError(
+        f"FP8 dot_general supports no batch dimensions, got lhs {tuple(lb)} rhs {tuple(rb)}; "
+        "batched GEMMs (attention) stay in bf16 by design")
+  lc = tuple(d % lhs.ndim for d in lc)
+  rc = tuple(d % rhs.ndim for d in rc)
+  if len(lc) != len(rc) or any(lhs.shape[i] != rhs.shape[j] for i, j in zip(lc, rc)):
+    raise ValueError(f"contracting dims {lc} of lhs {lhs.shape} and {rc} of rhs {rhs.shape} "
+                     "do not match")
+  lf = tuple(d for d in range(lhs.ndim) if d not in lc)
+  rf = tuple(d for d in range(rhs.ndim) if d not in rc)
+  k = math.prod(lhs.shape[d] for d in lc)
+  m = math.prod(lhs.shape[d] for d in lf)
+  n = math.prod(rhs.shape[d] for d in rf)
+  x = lhs if lf + lc == tuple(range(lhs.ndim)) else jnp.transpose(lhs, lf + lc)
+  w = rhs if rf + rc == tuple(range(rhs.ndim)) else jnp.transpose(rhs, rf + rc)
+  out_shape = tuple(lhs.shape[d] for d in lf) + tuple(rhs.shape[d] for d in rf)
+  return x.reshape(m, k), w.reshape(n, k), out_shape
+
+
+def quantized_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None, *,
+                          recipe: Recipe, backend: str = "auto", telemetry: bool = False,
+                          sink=None):
+  """The FP8 dot_general of `recipe`; with telemetry returns (y, fprop_stats [2, 3])."""
+  x_MxK, w_NxK, out_shape = canonicalize(lhs, rhs, dimension_numbers)
+  out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
+                       else jnp.result_type(lhs.dtype, rhs.dtype))
+  plan = _Plan(recipe, gemm.check_backend(backend), out_dtype, np.dtype(lhs.dtype),
+               np.dtype(rhs.dtype), np.dtype(jnp.result_type(lhs.dtype, rhs.dtype)),
+               telemetry, telemetry and sink is not None)
+  out = _fp8_matmul(plan, x_MxK, w_NxK, sink)
+  if telemetry:
+    return out[0].reshape(out_shape), out[1]
+  return out.reshape(out_shape)
+
+
+def make_dot_general(recipe: "Recipe | str", *, backend: str = "auto"):
+  """A function with lax.dot_general's signature running `recipe`'s three GEMMs.
+
+  The bf16 recipe (no quantized operand) returns lax.dot_general itself, so XLA sees the
+  ordinary graph.
+  """
+  recipe = get_recipe(recipe)
+  gemm.check_backend(backend)
+  if recipe.is_bf16:
+    return bf16_dot_general
+
+  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                  **unused_kwargs):
+    del precision, unused_kwargs  # the recipe decides the numerics
+    return quantized_dot_general(lhs, rhs, dimension_numbers, preferred_element_type,
+                                 recipe=recipe, backend=backend)
+
+  dot_general.recipe = recipe
+  return dot_general

@@ -1,0 +1,112 @@
+"""FP8 element formats and scale formats, and the exact power-of-two scale rounding."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+
+# Smallest normal float32, 2**-126. It floors every scale (an all-zero tile gets a finite
+# scale, so q = 0 and dequantize gives an exact 0 instead of 0/0 = NaN) and it is the flush
+# threshold for subnormal inputs (see quantize.py).
+SCALE_FLOOR = float(np.finfo(np.float32).tiny)
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+  """An FP8 element format.
+
+  Attributes:
+    name: "e4m3" or "e5m2".
+    dtype: the jnp dtype (float8_e4m3fn has no inf, max 448; float8_e5m2 max 57344).
+    max: largest finite magnitude.
+  """
+  name: str
+  dtype: jnp.dtype
+  max: float
+
+
+FORMATS = {
+    "e4m3": Format("e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0),
+    "e5m2": Format("e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0),
+}
+
+# "ue8m0": scale = 2**ceil(log2(amax / fmax)) (an 8-bit exponent, as DeepSeek-V3 / InfiR2);
+# "fp32": scale = amax / fmax, an ordinary float32.
+SCALE_FORMATS = ("ue8m0", "fp32")
+
+
+def get_format(name: str) -> Format:
+  """Returns the Format called `name` ("e4m3" | "e5m2")."""
+  if name not in FORMATS:
+    raise ValueError(f"unknown FP8 format {name!r}; valid: {sorted(FORMATS)}")
+  return FORMATS[name]
+
+
+def check_scale_format(scale_format: str) -> str:
+  if scale_format not in SCALE_FORMATS:
+    raise ValueError(f"unknown scale format {scale_format!r}; valid: {list(SCALE_FORMATS)}")
+  return scale_format
+
+
+def is_fp8_dtype(dtype) -> bool:
+  return jnp.dtype(dtype) in (FORMATS["e4m3"].dtype, FORMATS["e5m2"].dtype)
+
+
+def round_up_pow2(s: jax.Array) -> jax.Array:
+  """2**ceil(log2(s)) for positive normal float32 s, exactly, from the bits.
+
+  Bumps the exponent field when the mantissa is non-zero. NaN stays NaN and +inf stays
+  +inf (their exponent field is all ones; bumping NaN's would overflow into the sign bit,
+  so it is selected away). No jnp.ceil/log2: not exact, and ceil does not lower in Mosaic GPU.
+  """
+  bits = lax.bitcast_convert_type(s.astype(jnp.float32), jnp.uint32)
+  exponent = (bits >> 23) & 0xFF
+  exponent = exponent + ((bits & 0x7FFFFF) != 0).astype(jnp.uint32)
+  pow2 = lax.bitcast_convert_type(exponent << 23, jnp.float32)
+  return jnp.where(jnp.isnan(s), s, pow2)
+
+
+def reciprocal_exact(s: jax.Array) -> jax.Array:
+  """1 / s correctly rounded (RN) for float32 scales in [2**-126, 2**126), with no division.
+
+  XLA:GPU's f32 division is not correctly rounded (measured on H200: 13% of 1/s off by
+  one ulp), which would make fp32-scale quantization differ between backends. So the
+  mantissa of 1/s is computed by integer long division: q = RN(2**47 / m) for the 24-bit
+  significand m of s (24 shift-compare-subtract steps on uint32, on the small scale grid).
+  Powers of two (every UE8M0 scale) come out exact. NaN -> NaN, +inf -> 0.
+  """
+  bits = lax.bitcast_convert_type(s.astype(jnp.float32), jnp.uint32)
+  exponent = (bits >> 23) & 0xFF
+  m = (bits & 0x7FFFFF) | 0x800000                   # significand in [2**23, 2**24)
+  rem = jnp.full_like(m, 1 << 23)                    # 2**47 / m = (2**23 * 2**24) / m
+  q = jnp.zeros_like(m)
+  for _ in range(24):
+    rem = rem << 1
+    bit = (rem >= m).astype(jnp.uint32)
+    rem = rem - bit * m
+    q = (q << 1) | bit
+  q = q + ((rem << 1) > m).astype(jnp.uint32)        # round to nearest (ties impossible)
+  pow2 = (bits & 0x7FFFFF) == 0
+  # 1/s = 2**(127 - E) for a power of two; else 2**(126 - E) * q / 2**23 (q in (2**23, 2**24)).
+  out_bits = jnp.where(pow2, (254 - exponent) << 23,
+                       ((253 - exponent) << 23) | (q & 0x7FFFFF))
+  r = lax.bitcast_convert_type(out_bits.astype(jnp.uint32), jnp.float32)
+  r = jnp.where(jnp.isinf(s), jnp.float32(0), r)
+  return jnp.where(jnp.isnan(s), s, r)
+
+
+def scale_from_amax(amax: jax.Array, fmt: str, scale_format: str) -> jax.Array:
+  """The float32 scale of a tile with max |x| = amax (the shared quantization semantics)."""
+  # amax * RN32(1 / fmax), a multiply: XLA rewrites division by a (broadcast) scalar into
+  # exactly this anyway, so we write it down to make every backend agree. For "ue8m0" the
+  # power-of-two result equals that of the IEEE division amax / fmax for every f32 amax
+  # (checked exhaustively over a binade in tests/test_precision_quantize.py).
+  inv_fmax = jnp.float32(1.0 / get_format(fmt).max)
+  s = amax.astype(jnp.float32) * inv_fmax
+  floor = jnp.float32(SCALE_FLOOR)
+  s = jnp.where(s < floor, floor, s)                  # a select, so NaN passes on any backend
+  if check_scale_format(scale_format) == "ue8m0":
+    s = round_up_pow2(s)
+  return s

@@ -1,0 +1,154 @@
+"""The canonical NT GEMM out[M, N] = a[M, K] . b[N, K]^T on quantized operands, and its backends.
+
+Execution paths, chosen per call from the operands' tiles and `backend`:
+1. Pallas (`infir2_jax.kernels.block_scaled_matmul`): a in 1x128 tiles and b in 128x128 blocks
+   or 1x128 tiles, when backend is "pallas", or "auto" and `kernels.available()` (a Hopper GPU)
+   and `kernels.supports(m, n, k, a_dtype, b_dtype, b_scale_shape, out_dtype)`.
+2. Native FP8 (XLA): both operands with ONE scale along K (per tensor or per row): the fp8
+   arrays go straight into lax.dot_general (f32 result), then the scales multiply the output.
+   On GPU this is cuBLASLt's FP8 GEMM (`__cublas$lt$matmul$f8`); b stays [N, K] (K-major),
+   the layout cuBLASLt takes without a transpose. precision=HIGHEST turns cuBLASLt's fast
+   accumulation off (partial sums promoted to f32), unless GemmSpec.fast_accum.
+3. Dequantize (XLA, any tiles): each operand is dequantized, then one dot with f32
+   accumulation. With power-of-two (ue8m0) scales the dequantized values are exact in bf16
+   (<= 4 significant bits times 2**k), so a bf16 x bf16 -> f32 dot computes exact products
+   summed in f32: the contract's value up to the order of f32 additions. With fp32 scales,
+   q * s needs up to 28 bits, so operands are dequantized in f32 and the dot runs at
+   precision HIGHEST: each product then carries ~2**-24 relative rounding that the contract
+   (which scales per-K-block partial sums) does not have; far below the FP8 error itself.
+Unquantized operands (OperandSpec.fmt None) enter path 3 as they are.
+"""
+
+import importlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from infir2_jax.precision.quantize import QTensor, expand_scale, resolve_tile
+
+Operand = "QTensor | jax.Array"
+BACKENDS = ("auto", "xla", "pallas")
+_NT = (((1,), (1,)), ((), ()))
+
+
+def check_backend(backend: str) -> str:
+  if backend not in BACKENDS:
+    raise ValueError(f"precision backend {backend!r}; valid: {list(BACKENDS)}")
+  return backend
+
+
+def pallas_kernels(backend: str):
+  """The infir2_jax.kernels module when `backend` allows it and it is usable, else None.
+
+  "auto" falls back to XLA (with a warning if the module is broken); "pallas" raises.
+  """
+  if check_backend(backend) == "xla":
+    return None
+  try:
+    kernels = importlib.import_module("infir2_jax.kernels")
+    available = bool(kernels.available())
+  except Exception as e:  # a missing or broken kernels package must not stop "auto"
+    if backend == "pallas":
+      raise RuntimeError(
+          "precision.backend='pallas' but infir2_jax.kernels is missing or broken "
+          f"(needs available(), supports(), block_scaled_matmul()): {e!r}; "
+          "use backend='auto' or 'xla'") from e
+    if not isinstance(e, ImportError):
+      warnings.warn(f"infir2_jax.kernels unusable, using XLA: {e!r}", stacklevel=2)
+    return None
+  if not available:
+    if backend == "pallas":
+      raise RuntimeError("precision.backend='pallas' but infir2_jax.kernels.available() is "
+                         "False (needs a Hopper GPU with Mosaic GPU); use 'auto' or 'xla'")
+    return None
+  return kernels
+
+
+def bf16_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+  """lax.dot_general for the BF16 GEMMs (the `bf16` recipe, the LM head).
+
+  On CPU, bf16 operands are upcast and multiplied as f32: products of bf16 values are exact
+  in f32 and the sum is f32, which is what a GPU tensor core computes for a bf16 GEMM, while
+  XLA:CPU's native bf16 dot runs ~6x slower. Elsewhere this is lax.dot_general itself.
+  """
+  if jax.default_backend() != "cpu" or jnp.bfloat16 not in (lhs.dtype, rhs.dtype):
+    return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                           preferred_element_type=preferred_element_type)
+  out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+  y = lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32), dimension_numbers,
+                      precision=precision, preferred_element_type=jnp.float32)
+  return y.astype(out_dtype)
+
+
+def _is_block_scaled(a: QTensor, b: QTensor) -> bool:
+  """a in 1x128 tiles along K; b in 128x128 blocks or 1x128 tiles: the kernel's contract."""
+  tile_128 = lambda t: resolve_tile((1, 128), t.shape)
+  return a.tile == tile_128(a) and b.tile in (resolve_tile((128, 128), b.shape), tile_128(b))
+
+
+def _row_scale(t: QTensor) -> jax.Array:
+  """The scale of a one-K-block operand as a scalar or a [rows, 1] column."""
+  if t.tile is None:
+    return t.scale
+  return expand_scale(t.scale, t.tile, (t.shape[0], 1))
+
+
+def _native_fp8(a: QTensor, b: QTensor, out_dtype, fast_accum: bool) -> jax.Array:
+  precision = lax.Precision.DEFAULT if fast_accum else lax.Precision.HIGHEST
+  y_MxN = lax.dot_general(a.q, b.q, _NT, precision=precision,
+                          preferred_element_type=jnp.float32)
+  sa, sb = _row_scale(a), _row_scale(b)
+  y_MxN = y_MxN * sa * (sb.T if sb.ndim else sb)
+  return y_MxN.astype(out_dtype)
+
+
+def _dequantized(a: Operand, b: Operand, out_dtype) -> jax.Array:
+  def operand(t):
+    if isinstance(t, QTensor):
+      return t.dequantize(jnp.bfloat16 if t.scale_format == "ue8m0" else jnp.float32)
+    return t
+  a, b = operand(a), operand(b)
+  if jnp.float32 in (a.dtype, b.dtype):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    precision = lax.Precision.HIGHEST  # no TF32 / bf16 passes on GPU
+  else:
+    dtype = jnp.result_type(a.dtype, b.dtype)
+    a, b = a.astype(dtype), b.astype(dtype)
+    precision = None
+  y_MxN = bf16_dot_general(a, b, _NT, precision=precision, preferred_element_type=jnp.float32)
+  return y_MxN.astype(out_dtype)
+
+
+def _one_k_block(t: Operand) -> bool:
+  return isinstance(t, QTensor) and (t.tile is None or t.tile[1] == t.shape[1])
+
+
+def matmul_nt(a: Operand, b: Operand, *, out_dtype, backend: str = "auto",
+              fast_accum: bool = False) -> jax.Array:
+  """out[M, N] = a[M, K] . b[N, K]^T with f32 accumulation, on the best available path.
+
+  Args:
+    a, b: QTensor (quantized) or plain arrays (kept in their dtype), both 2-D, K last.
+    out_dtype: dtype of the result.
+    backend: "auto" | "xla" | "pallas" (see module docstring).
+    fast_accum: allow non-promoting FP8 accumulation on the native FP8 path.
+  """
+  if a.shape[1] != b.shape[1] or len(a.shape) != 2 or len(b.shape) != 2:
+    raise ValueError(f"matmul_nt needs a [M, K] and b [N, K], got {a.shape} and {b.shape}")
+  if isinstance(a, QTensor) and isinstance(b, QTensor):
+    if _is_block_scaled(a, b):
+      kernels = pallas_kernels(backend)
+      if kernels is not None:
+        (m, k), n = a.shape, b.shape[0]
+        if kernels.supports(m, n, k, a.q.dtype, b.q.dtype, b.scale.shape, out_dtype):
+          return kernels.block_scaled_matmul(a.q, a.scale, b.q, b.scale, out_dtype=out_dtype)
+        if backend == "pallas":
+          raise ValueError(
+              f"backend='pallas': the kernel does not support a {a.q.dtype}{a.shape} x "
+              f"b {b.q.dtype}{b.shape} (b tile {b.tile}, out {jnp.dtype(out_dtype)}); "
+              "use backend='auto' to fall back to XLA")
+    if _one_k_block(a) and _one_k_block(b):
+      return _native_fp8(a, b, out_dtype, fast_accum)
+  return _dequantized(a, b, out_dtype)
