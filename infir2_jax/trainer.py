@@ -18,7 +18,7 @@ from infir2_jax.data import make_data
 from infir2_jax.metrics import MetricsWriter, peak_flops_per_device
 from infir2_jax.model import Qwen2
 from infir2_jax.optim import make_optimizer, make_schedule
-from infir2_jax.precision import make_dot_general_factory
+from infir2_jax.precision import make_dot_general_factory, telemetry
 from infir2_jax.train_step import make_eval_step, make_train_step
 
 
@@ -82,6 +82,8 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, metric_sharding),
         donate_argnums=0)
     eval_step = jax.jit(make_eval_step(model), in_shardings=(shardings["params"], batch_sharding))
+  telemetry_step, sinks = _telemetry_step(cfg, model, optimizer, schedule, shardings,
+                                          batch_sharding, metric_sharding, mesh, rules)
 
   eval_batches = None
   if cfg.eval.every_steps > 0:
@@ -126,7 +128,10 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
     for step in range(start_step + 1, cfg.steps + 1):
       batch = _global_batch(next(train_iter), batch_sharding)
       with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        state, device_metrics = train_step(state, batch)
+        if telemetry_step is not None and step % cfg.precision.telemetry_every_steps == 0:
+          state, device_metrics = telemetry_step(state, batch, sinks)
+        else:
+          state, device_metrics = train_step(state, batch)
       if pending is not None:  # read step N-1 while step N runs
         last = log(*pending)
       pending = (step, device_metrics)
@@ -169,7 +174,11 @@ class _Timer:
 
 def _log_step(writer, step, device_metrics, timer, tokens_per_step, flops_per_step, peak,
               num_devices, check_finite):
+  device_metrics = dict(device_metrics)
+  fp8_stats = device_metrics.pop("fp8", None)
   metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+  if fp8_stats is not None:  # exact operands have SNR +inf: left out of the logs
+    metrics.update(telemetry.finite_only(telemetry.summarize(fp8_stats["fwd"], fp8_stats["bwd"])))
   dt = timer.lap()
   check_finite(step, metrics)
   if dt is not None:
@@ -180,6 +189,26 @@ def _log_step(writer, step, device_metrics, timer, tokens_per_step, flops_per_st
   if step % writer.cfg.every_steps == 0:
     writer.write(step, metrics)
   return metrics
+
+
+def _telemetry_step(cfg, model, optimizer, schedule, shardings, batch_sharding,
+                    metric_sharding, mesh, rules):
+  """The step variant that also measures FP8 numerics, run every telemetry_every_steps."""
+  if not cfg.precision.telemetry_every_steps:
+    return None, None
+  model_t = build_model(cfg, telemetry=True)
+  tokens = jnp.zeros((1, min(cfg.seq_len, 128)), jnp.int32)
+  try:
+    sinks = telemetry.init_sinks(model_t, jax.random.key(0), tokens)
+  except ValueError:  # no FP8 projection under this recipe: nothing to measure
+    return None, None
+  sinks = jax.device_put(sinks, metric_sharding)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    step = jax.jit(
+        make_train_step(model, optimizer, schedule, cfg.grad_accum_steps, telemetry_model=model_t),
+        in_shardings=(shardings, batch_sharding, metric_sharding),
+        out_shardings=(shardings, metric_sharding), donate_argnums=0)
+  return step, sinks
 
 
 def _initial_params(cfg: TrainConfig, params, param_shardings):

@@ -141,3 +141,15 @@ def test_init_from_another_run_starts_from_its_weights(tmp_path):
   train(tiny_config(**{"steps": 1, "init.from_run": first}), second)
   step0 = [m for m in read_metrics(second) if "eval_loss" in m and m["step"] == 0]
   assert step0 and abs(step0[0]["eval_loss"] - last["eval_loss"]) < 1e-6
+
+
+def test_fp8_run_logs_telemetry_on_its_interval(tmp_path):
+  workdir = str(tmp_path)
+  train(tiny_config(**{"steps": 4, "precision.recipe": "infir2",
+                       "precision.telemetry_every_steps": 2, "eval.every_steps": 0}), workdir)
+  lines = {m["step"]: m for m in read_metrics(workdir) if "loss" in m}
+  key = "fp8/layers_1/mlp/down_proj/wgrad/dy/snr_db"
+  assert key in lines[2] and key in lines[4] and key not in lines[1] and key not in lines[3]
+  # E4M3 with 1x128 tiles: a few tens of dB, never exact, never garbage.
+  assert 15 < lines[2][key] < 60
+  assert 0 <= lines[2]["fp8/worst/fprop/x/max_flush_frac"] < 0.5
