@@ -11,6 +11,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from infir2_jax import runtime  # defines --coordinator_address, --num_processes, ...
+
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                "configs", "default.py")
 
@@ -43,7 +45,6 @@ def run() -> None:
   def main(argv):
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from infir2_jax import runtime
     _quiet_library_logs()
     runtime.initialize()
     from infir2_jax.config import TrainConfig

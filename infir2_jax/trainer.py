@@ -37,24 +37,31 @@ def init_params_fn(model: Qwen2, cfg: TrainConfig):
   return lambda rng: model.init(rng, tokens)["params"]
 
 
-def _global_batch(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
-  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+def _global_batch(batch: dict[str, np.ndarray], sharding, global_rows: int) -> dict[str, jax.Array]:
+  """Process-local rows -> one global array; the global shape makes a wrong split an error."""
+  return {k: jax.make_array_from_process_local_data(sharding, v, (global_rows, *v.shape[1:]))
+          for k, v in batch.items()}
 
 
 def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) a run in `workdir`. Returns the last step's and eval metrics."""
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding_lib.make_mesh(cfg.mesh)
-  rules = sharding_lib.logical_rules(cfg.mesh)
-  batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  rules = sharding_lib.logical_rules(cfg.mesh, cfg.model, mesh)
+  batch_sharding = sharding_lib.batch_sharding(mesh, rules)
+  batch_shards = sharding_lib.ways(mesh, sharding_lib.mesh_axes_of(rules, "batch"))
   micro_batch = cfg.batch_size // cfg.grad_accum_steps
   if micro_batch % batch_shards:
     raise ValueError(f"batch_size={cfg.batch_size} / grad_accum_steps={cfg.grad_accum_steps} = "
                      f"{micro_batch} rows per micro-batch cannot be split over the "
                      f"{batch_shards} batch shards of mesh {dict(mesh.shape)}")
+  sharding_lib.check_fp8_alignment(cfg.model, mesh, rules, cfg.precision, batch_rows=micro_batch,
+                                   seq_len=cfg.seq_len, mode=cfg.mesh.fp8_alignment)
+  # Processes whose devices hold the same batch rows (tensor parallelism across processes)
+  # must load the same rows.
+  data_index, data_count = sharding_lib.data_process_index(mesh, rules)
   data = make_data(cfg.data, seq_len=cfg.seq_len, global_batch_size=cfg.batch_size,
-                   seed=cfg.seed, process_index=jax.process_index(),
-                   process_count=jax.process_count())
+                   seed=cfg.seed, process_index=data_index, process_count=data_count)
   if data.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"the tokenizer has {data.vocab_size} tokens but model.vocab_size is "
                      f"{cfg.model.vocab_size}; raise model.vocab_size")
@@ -74,7 +81,6 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
     state["params"] = _initial_params(cfg, state["params"], shardings["params"])
     _write_config(cfg, workdir)
 
-  batch_sharding = sharding_lib.batch_sharding(mesh)
   metric_sharding = sharding_lib.replicated(mesh)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     train_step = jax.jit(
@@ -87,7 +93,8 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
 
   eval_batches = None
   if cfg.eval.every_steps > 0:
-    eval_batches = [_global_batch(b, batch_sharding) for b in data.eval_batches(cfg.eval.batches)]
+    eval_batches = [_global_batch(b, batch_sharding, cfg.batch_size)
+                    for b in data.eval_batches(cfg.eval.batches)]
 
   def evaluate(params) -> float:
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
@@ -126,7 +133,7 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
       check_finite)
   try:
     for step in range(start_step + 1, cfg.steps + 1):
-      batch = _global_batch(next(train_iter), batch_sharding)
+      batch = _global_batch(next(train_iter), batch_sharding, cfg.batch_size)
       with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         if telemetry_step is not None and step % cfg.precision.telemetry_every_steps == 0:
           state, device_metrics = telemetry_step(state, batch, sinks)

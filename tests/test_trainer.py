@@ -145,7 +145,7 @@ def test_init_from_another_run_starts_from_its_weights(tmp_path):
 
 def test_fp8_run_logs_telemetry_on_its_interval(tmp_path):
   workdir = str(tmp_path)
-  train(tiny_config(**{"steps": 4, "precision.recipe": "infir2",
+  train(tiny_config(**{"steps": 4, "seq_len": 128, "precision.recipe": "infir2",
                        "precision.telemetry_every_steps": 2, "eval.every_steps": 0}), workdir)
   lines = {m["step"]: m for m in read_metrics(workdir) if "loss" in m}
   key = "fp8/layers_1/mlp/down_proj/wgrad/dy/snr_db"

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from infir2_jax.sharding import compute_axes
+
 DotGeneral = Callable[..., jax.Array]
 # Given a projection's module path ("layers_0/self_attn/q_proj", "lm_head"), returns the
 # dot_general to use there. Called inside the projection's compact method, so it may return a
@@ -45,7 +47,10 @@ class Linear(nn.Module):
         nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.kernel_axes),
         (x.shape[-1], self.features), self.param_dtype)
     dot_general = self.dot_general_factory(_path(self))
-    y = dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
+    # The compute copy is gathered over fsdp right here (tensor split kept), so GSPMD moves
+    # the weight, not the activations.
+    kernel = nn.with_logical_constraint(kernel.astype(self.dtype), compute_axes(self.kernel_axes))
+    y = dot_general(x.astype(self.dtype), kernel,
                     (((x.ndim - 1,), (0,)), ((), ())), precision=None,
                     preferred_element_type=None)
     if self.use_bias:

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from infir2_jax.model.config import ModelConfig
+from infir2_jax.sharding import compute_axes
 from infir2_jax.model.layers import (
     MLP, Attention, DotGeneralFactory, Linear, RMSNorm, default_dot_general_factory)
 
@@ -60,7 +61,9 @@ class Qwen2(nn.Module):
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(cfg.init_std), ("vocab", "embed")),
                      name="embed_tokens")
-    x_BxLxD = embed(tokens_BxL)
+    table_VxD = nn.with_logical_constraint(embed.embedding.astype(dtype),
+                                           compute_axes(("vocab", "embed")))
+    x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
     x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "act_embed"))
 
     layer_cls = DecoderLayer
@@ -75,7 +78,7 @@ class Qwen2(nn.Module):
     # LM head in the compute dtype with a float32 result: softmax and loss need f32.
     if cfg.tie_embeddings:
       dot_general = self.dot_general_factory("lm_head")
-      return dot_general(x_BxLxD.astype(dtype), embed.embedding.astype(dtype),
+      return dot_general(x_BxLxD.astype(dtype), table_VxD,
                          (((x_BxLxD.ndim - 1,), (1,)), ((), ())), precision=None,
                          preferred_element_type=jnp.float32)
     head = Linear(cfg.vocab_size, ("embed", "vocab"), False, dtype, param_dtype,

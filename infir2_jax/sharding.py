@@ -1,0 +1,322 @@
+"""Device mesh, logical-axis rules, abstract-first sharded initialisation and batch placement."""
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+FP8_ALIGNMENT_MODES = ("error", "warn", "off")
+
+Rules = tuple[tuple[str, Any], ...]
+
+# Parallelism is JAX's own SPMD: params carry logical axis names (vocab, embed, heads,
+# kv_heads, mlp, norm), key activations (batch, length, act_embed, act_heads, act_mlp), and
+# these rules map them onto the mesh axes; jit + NamedSharding does the rest.
+#   data    batch rows split, params replicated.
+#   fsdp    batch rows split AND params / grads / Adam moments split along the model width
+#           (each kernel gathered right before its GEMM: compute_axes).
+#   tensor  Megatron-style: attention heads, the MLP hidden width and the vocabulary split;
+#           KV heads replicated when the degree does not divide them (logical_rules).
+# jax.make_mesh puts the innermost axis (tensor) on neighbouring devices: with 8 GPUs per node,
+# tensor x fsdp <= 8 stays on NVLink and data spreads over nodes.
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+)
+
+
+def _parse_rule(entry: str) -> tuple[str, Any]:
+  """'logical=axis[+axis]' (or 'logical=' for replicated) -> (logical, mesh axes)."""
+  if not isinstance(entry, str) or "=" not in entry:
+    raise ValueError(f"mesh.rules entry {entry!r} must look like 'logical=axis[+axis]' "
+                     "(e.g. 'embed=fsdp', 'batch=data+fsdp', 'vocab=' to replicate)")
+  name, axes = (s.strip() for s in entry.split("=", 1))
+  mesh_axes = tuple(a.strip() for a in axes.split("+") if a.strip())
+  for a in mesh_axes:
+    if a not in MESH_AXES:
+      raise ValueError(f"mesh.rules entry {entry!r}: unknown mesh axis {a!r}; valid: {MESH_AXES}")
+  if name not in dict(DEFAULT_RULES):
+    raise ValueError(f"mesh.rules entry {entry!r}: unknown logical axis {name!r}; valid: "
+                     f"{[n for n, _ in DEFAULT_RULES]}")
+  return name, None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = -1     # data-parallel degree; -1 fills the remaining devices
+  fsdp: int = 1      # fully-sharded data parallel degree (params, grads, optimizer state)
+  tensor: int = 1    # tensor-parallel degree (heads / MLP hidden / vocab)
+  rules: tuple[str, ...] = ()  # overrides of DEFAULT_RULES: "logical=axis[+axis]" or "logical="
+  # FP8 block/tile scaling with a sharded GEMM operand whose shards do not split on tile
+  # boundaries (128): "error" at start-up, "warn" (XLA then gathers before quantizing), "off".
+  fp8_alignment: str = "error"
+
+  def __post_init__(self):
+    sizes = (self.data, self.fsdp, self.tensor)
+    if sum(s == -1 for s in sizes) > 1:
+      raise ValueError(f"at most one of mesh.data/fsdp/tensor may be -1, got {sizes}")
+    if any(s == 0 or s < -1 for s in sizes):
+      raise ValueError(f"mesh sizes must be positive or -1, got {sizes}")
+    if isinstance(self.rules, str):
+      raise ValueError(f"mesh.rules={self.rules!r} must be a tuple of 'logical=axis' strings")
+    object.__setattr__(self, "rules", tuple(self.rules))
+    for entry in self.rules:
+      _parse_rule(entry)
+    if self.fp8_alignment not in FP8_ALIGNMENT_MODES:
+      raise ValueError(f"mesh.fp8_alignment={self.fp8_alignment!r}; valid: {FP8_ALIGNMENT_MODES}")
+
+  def shape(self, num_devices: int) -> tuple[int, int, int]:
+    sizes = [self.data, self.fsdp, self.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+      if num_devices % known:
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} cannot fill {num_devices} devices")
+      sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+      raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+                       f"but {num_devices} are available")
+    return tuple(sizes)
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, fsdp, tensor) mesh with Auto axes: shardings come from the logical rules and the
+  compiler propagates the rest (GSPMD), rather than JAX's explicit-sharding mode.
+
+  `devices` may be compile-only devices (jax.experimental.topologies) for AOT compilation.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = cfg.shape(len(devices))
+  auto = (AxisType.Auto,) * len(MESH_AXES)
+  if devices == list(jax.devices()):
+    return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+
+
+# Param logical axis -> the activation axis of the same feature dim: a kernel's layout while
+# it is used (gathered over fsdp, still split over tensor).
+COMPUTE_AXES = {"embed": "act_embed", "heads": "act_heads", "mlp": "act_mlp"}
+
+
+def compute_axes(param_axes: Sequence[str | None]) -> tuple[str | None, ...]:
+  """Logical axes of a param's compute-dtype copy inside the layer that uses it.
+
+  Constraining the bf16 kernel to these (nn.with_logical_constraint) makes FSDP an explicit
+  all-gather right before the GEMM, with the tensor-parallel split kept; left to itself
+  GSPMD may instead reshard the activations (an "involuntary full rematerialization").
+  """
+  return tuple(COMPUTE_AXES.get(a, a) if a else a for a in param_axes)
+
+
+def mesh_axes_of(rules: Rules, logical: str) -> tuple[str, ...]:
+  """The mesh axes a logical axis maps to under `rules` (() = replicated)."""
+  axes = dict(rules).get(logical)
+  if axes is None:
+    return ()
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def ways(mesh: Mesh, axes: Sequence[str]) -> int:
+  """Number of shards along mesh `axes`."""
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def logical_rules(cfg: MeshConfig, model_cfg=None, mesh: Mesh | None = None) -> Rules:
+  """DEFAULT_RULES with the config's overrides, adapted to the model when it is given.
+
+  With `model_cfg` and `mesh`: KV heads are replicated (rule dropped) when their mesh degree
+  does not divide model.num_kv_heads (grouped-query attention with fewer KV heads than the
+  tensor degree, Megatron's choice); query heads that do not split evenly are an error.
+  """
+  rules = dict(DEFAULT_RULES)
+  rules.update(_parse_rule(entry) for entry in cfg.rules)
+  if model_cfg is not None and mesh is not None:
+    kv_ways = ways(mesh, mesh_axes_of(tuple(rules.items()), "kv_heads"))
+    if model_cfg.num_kv_heads % kv_ways:
+      logging.info("replicating the %d KV heads over the %d-way %s axis (not divisible)",
+                   model_cfg.num_kv_heads, kv_ways, rules["kv_heads"])
+      rules["kv_heads"] = None
+    head_ways = ways(mesh, mesh_axes_of(tuple(rules.items()), "heads"))
+    if model_cfg.num_heads % head_ways:
+      raise ValueError(
+          f"model.num_heads={model_cfg.num_heads} does not split over the {head_ways}-way "
+          f"mesh axes {rules['heads']} (tensor parallelism splits whole heads); choose "
+          f"mesh.tensor among the divisors of {model_cfg.num_heads}")
+  return tuple(rules.items())
+
+
+def batch_sharding(mesh: Mesh, rules: Rules | None = None) -> NamedSharding:
+  """Sharding of [B, L] batch arrays: rows over the rules' batch axes (data, fsdp)."""
+  rules = DEFAULT_RULES if rules is None else rules
+  batch = mesh_axes_of(rules, "batch") or None
+  length = mesh_axes_of(rules, "length") or None
+  return NamedSharding(mesh, P(batch, length))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def data_process_index(mesh: Mesh, rules: Rules | None = None) -> tuple[int, int]:
+  """(index, count) to give the data pipeline: which slice of the global batch rows this
+  process must load, out of how many distinct slices.
+
+  Equals (jax.process_index(), jax.process_count()) when every process holds different rows;
+  processes whose devices hold the same rows (e.g. tensor parallelism across processes, one
+  process per GPU) get the same index and must load the same rows.
+  """
+  rules = DEFAULT_RULES if rules is None else rules
+  spec = P(mesh_axes_of(rules, "batch") or None)
+  shards = ways(mesh, mesh_axes_of(rules, "batch"))
+  index_map = NamedSharding(mesh, spec).devices_indices_map((shards,))
+  shards_of_process: dict[int, set[int]] = {}
+  for device, (rows,) in index_map.items():
+    shards_of_process.setdefault(device.process_index, set()).update(
+        range(*rows.indices(shards)))
+  return process_slice(shards_of_process, shards, jax.process_index())
+
+
+def process_slice(shards_of_process: dict[int, set[int]], num_shards: int,
+                  process: int) -> tuple[int, int]:
+  """`process`'s (index, count) given which batch shards each process's devices hold."""
+  mine = sorted(shards_of_process[process])
+  per = len(mine)
+  if mine != list(range(mine[0], mine[0] + per)) or mine[0] % per:
+    raise ValueError(f"process {process} holds batch shards {mine} of {num_shards}: not an "
+                     "aligned contiguous block; order the mesh so each process's devices "
+                     "hold neighbouring rows")
+  for p, shards in shards_of_process.items():
+    if len(shards) != per or (shards != set(mine) and shards & set(mine)):
+      raise ValueError(f"processes {process} and {p} hold overlapping but different batch "
+                       f"shards ({mine} vs {sorted(shards)}); the data pipeline cannot split "
+                       "rows this way")
+  return mine[0] // per, num_shards // per
+
+
+def _param_spec_problems(abstract_boxed_params, mesh: Mesh, rules: Rules) -> list[str]:
+  problems = []
+  flat = jax.tree_util.tree_flatten_with_path(
+      abstract_boxed_params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]
+  for path, leaf in flat:
+    if not isinstance(leaf, nn.LogicallyPartitioned):
+      continue
+    for dim, name in zip(leaf.value.shape, leaf.names):
+      n = ways(mesh, mesh_axes_of(rules, name)) if name else 1
+      if dim % n:
+        problems.append(f"{path_str(path)} {tuple(leaf.value.shape)}: dimension {name!r} of "
+                        f"size {dim} does not split {n} ways over mesh axes "
+                        f"{mesh_axes_of(rules, name)}")
+  return problems
+
+
+def param_shardings(abstract_boxed_params, mesh: Mesh, rules: Rules) -> Any:
+  """NamedShardings for params from their logical axis names (LogicallyPartitioned boxes).
+
+  Raises ValueError naming each param whose sharded dimension does not split evenly.
+  """
+  problems = _param_spec_problems(abstract_boxed_params, mesh, rules)
+  if problems:
+    raise ValueError(f"mesh {dict(mesh.shape)} cannot shard these params evenly (change "
+                     "mesh.* or override the rule with mesh.rules):\n  " + "\n  ".join(problems))
+  specs = nn.get_partition_spec(abstract_boxed_params)
+  return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def state_shardings(abstract_boxed_params, optimizer: optax.GradientTransformation,
+                    mesh: Mesh, rules: Rules) -> dict[str, Any]:
+  """Shardings of {"step", "params", "opt_state"}: Adam moments follow their params."""
+  params = param_shardings(abstract_boxed_params, mesh, rules)
+  abstract_opt_state = jax.eval_shape(optimizer.init, nn.unbox(abstract_boxed_params))
+  opt_state = optax.tree_map_params(
+      optimizer, lambda _, sharding: sharding, abstract_opt_state, params,
+      transform_non_params=lambda _: replicated(mesh))
+  return {"step": replicated(mesh), "params": params, "opt_state": opt_state}
+
+
+def _init_state_fn(init_params: Callable[[jax.Array], Any], optimizer):
+  def init_state(rng):
+    params = nn.unbox(init_params(rng))
+    return {"step": np.int32(0), "params": params, "opt_state": optimizer.init(params)}
+  return init_state
+
+
+def abstract_state(init_params: Callable[[jax.Array], Any], optimizer, mesh: Mesh,
+                   rules: Rules, rng: jax.Array | None = None):
+  """(ShapeDtypeStructs with shardings of the train state, the shardings); no allocation.
+
+  For golden partition specs, ahead-of-time compilation and restoring checkpoints.
+  """
+  rng = jax.random.key(0) if rng is None else rng
+  shardings = state_shardings(jax.eval_shape(init_params, rng), optimizer, mesh, rules)
+  shapes = jax.eval_shape(_init_state_fn(init_params, optimizer), rng)
+  structs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         shapes, shardings)
+  return structs, shardings
+
+
+def sharded_init(init_params: Callable[[jax.Array], Any], optimizer, mesh: Mesh, rules: Rules,
+                 rng: jax.Array):
+  """Abstract-first init: shapes and shardings first, then one jit that builds state in place.
+
+  `init_params(rng)` returns boxed (LogicallyPartitioned) params. Returns (state, shardings);
+  no device ever holds an unsharded copy.
+  """
+  abstract_boxed = jax.eval_shape(init_params, rng)
+  shardings = state_shardings(abstract_boxed, optimizer, mesh, rules)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    state = jax.jit(_init_state_fn(init_params, optimizer), out_shardings=shardings)(rng)
+  return state, shardings
+
+
+def path_str(path) -> str:
+  """"a/b/0"-style name of a pytree key path."""
+  parts = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return "/".join(parts)
+
+
+def spec_table(shardings, shapes=None) -> dict[str, dict[str, Any]]:
+  """{path: {"spec": [...], "shape": [...], "dtype": str}} of a tree of NamedShardings, as
+  JSON-able values (golden files). `shapes`: a matching tree of arrays / ShapeDtypeStructs."""
+  table = {}
+  flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
+  shape_leaves = [None] * len(flat) if shapes is None else jax.tree.leaves(shapes)
+  for (path, sharding), shape in zip(flat, shape_leaves):
+    spec = [list(a) if isinstance(a, tuple) else a for a in sharding.spec]
+    entry = {"spec": spec}
+    if shape is not None:
+      spec += [None] * (len(shape.shape) - len(spec))  # P("x") == P("x", None)
+      entry.update(shape=list(shape.shape), dtype=str(shape.dtype))
+    table[path_str(path)] = entry
+  return table
+
+
+def check_fp8_alignment(model_cfg, mesh: Mesh, rules: Rules, precision, *,
+                        batch_rows: int | None = None, seq_len: int | None = None,
+                        mode: str = "error") -> list[str]:
+  """Start-up check that FP8 tiles split on shard boundaries: see sharding_fp8."""
+  from infir2_jax import sharding_fp8  # imports the model and precision packages
+  return sharding_fp8.check_fp8_alignment(model_cfg, mesh, rules, precision,
+                                          batch_rows=batch_rows, seq_len=seq_len, mode=mode)
