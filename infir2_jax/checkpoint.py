@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  every_steps: int = 100   # save every N optimizer steps (and at the end); 0 = only at the end
+  every_steps: int = 50    # save every N optimizer steps (and at the end); 0 = only at the end
   keep: int = 3            # keep the last K checkpoints
   async_save: bool = True  # write in the background while training continues
 

@@ -30,7 +30,7 @@ from infir2_jax.sharding import MeshConfig
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  every_steps: int = 100     # evaluate on the validation split every N steps (0 = never)
+  every_steps: int = 50      # evaluate on the validation split every N steps (0 = never)
   batches: int = 8           # validation batches per evaluation (fixed, same every time)
 
 
@@ -50,7 +50,7 @@ class InitConfig:
 class TrainConfig:
   """Everything a training run needs. Field comments are the documentation of the keys."""
   seed: int = 0              # parameter init and data order
-  steps: int = 300           # optimizer steps
+  steps: int = 250           # optimizer steps
   batch_size: int = 16       # global batch in rows of seq_len tokens, per optimizer step
   seq_len: int = 256         # tokens per row
   grad_accum_steps: int = 1  # micro-batches per optimizer step (batch_size must divide)
