@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 
@@ -36,14 +35,13 @@ def main():
                              " --xla_dump_hlo_module_re=.*train_step.*").strip()
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   import jax
+  from infir2_jax import benchtools
   from infir2_jax.config import load_config
   from infir2_jax.precision import hlo_fp8_gemm_count
   from infir2_jax.trainer import train
 
   os.makedirs(args.out, exist_ok=True)
-  summary = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-             "commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain")),
-             "device": jax.devices()[0].device_kind, "jax": jax.__version__, "runs": []}
+  summary = {**benchtools.run_info(sys.argv), "runs": []}
   for variant in args.variants.split(","):
     recipe, backend = variant.split(":")
     workdir = os.path.join("/tmp", f"infir2_default_{recipe}_{backend}")
@@ -83,13 +81,6 @@ def main():
     print(f"{r['recipe']:16} {r['backend']:7} {ms:8.1f} {r['losses'][-1]:9.4f} {ev:9.4f} "
           f"{r['hlo_cublaslt_f8']:>4} {r['hlo_mosaic_gpu_calls']:>6}")
 
-
-def _git(*args) -> str:
-  try:
-    return subprocess.run(["git", *args], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-  except OSError:
-    return ""
 
 
 if __name__ == "__main__":

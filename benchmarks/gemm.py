@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infir2_jax import kernels
-from infir2_jax.kernels import benchtools
+from infir2_jax import benchtools
 from infir2_jax.kernels import gemm
 
 TOKENS = 16384

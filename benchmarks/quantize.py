@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infir2_jax import kernels
-from infir2_jax.kernels import benchtools
+from infir2_jax import benchtools
 
 ACTIVATIONS = [(16384, 1536), (16384, 8960), (32768, 8192), (16384, 3584)]
 WEIGHTS = [(1536, 8960), (8960, 1536), (3584, 18944)]

@@ -169,10 +169,9 @@ def main():
     print("RESULT " + json.dumps(run_one(args, recipe, int(seq_len))), flush=True)
     return
   import jax
-  results = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-             "commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain")),
-             "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-             "python": platform.python_version(), "variants": []}
+  from infir2_jax import benchtools
+  results = {**benchtools.run_info(sys.argv), "python": platform.python_version(),
+             "variants": []}
   if jax.default_backend() == "gpu":
     results["xla_bf16_gemm_tflops_8192"] = xla_bf16_gemm_tflops()
   rows = []
@@ -212,8 +211,9 @@ def _ratios(rows):
 
 
 def _table(results):
-  print(f"device {results['device']}, jax {results['jax']}, commit {results['commit'][:10]}"
-        f"{' (dirty)' if results['dirty'] else ''}; XLA bf16 GEMM 8192^3: "
+  print(f"device {results['device']}, jax {results['jax_version']}, commit "
+        f"{results['git_commit'][:10]}{' (dirty)' if results['git_dirty'] else ''}; "
+        "XLA bf16 GEMM 8192^3: "
         f"{results.get('xla_bf16_gemm_tflops_8192', float('nan')):.0f} TFLOP/s")
   print(f"{'recipe':16} {'seq':>5} {'ms/step':>8} {'x bf16':>7} {'tok/s':>8} {'MFU':>6} "
         f"{'peak GiB':>8} {'x bf16':>7} {'fp8 gemms':>10} {'compile s':>9}")
@@ -228,13 +228,6 @@ def _table(results):
           f"{sum(r['hlo_fp8_gemms'].values()) if isinstance(r['hlo_fp8_gemms'], dict) else r['hlo_fp8_gemms']:>10} "
           f"{r['compile_s']:9.1f}")
 
-
-def _git(*args) -> str:
-  try:
-    return subprocess.run(["git", *args], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-  except OSError:
-    return ""
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Helpers of the kernel benchmarks (benchmarks/gemm.py, quantize.py): device timing, run metadata."""
+"""Benchmark helpers: device timing of a jitted function, and the metadata a results file records."""
 import os
 import statistics
 import subprocess
@@ -49,9 +49,9 @@ def run_info(argv):
   dev = jax.devices()[0]
   return {
       "command": " ".join([os.path.basename(sys.executable), *argv]),
-      "git_commit": (lambda h: h if len(h) == 40 else "(none: no commit yet)")(
+      "git_commit": (lambda h: h if len(h) == 40 else "(unknown: no git checkout here)")(
           git("rev-parse", "HEAD")),
-      "git_note": "working tree had uncommitted changes (files under test not yet committed)",
+      "git_dirty": bool(git("status", "--porcelain")),
       "device": getattr(dev, "device_kind", str(dev)),
       "num_sms": getattr(dev, "core_count", None),
       "jax_version": jax.__version__,
