@@ -113,6 +113,8 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   last_good = start_step if start_step else None
   last: dict[str, Any] = {}
 
+  if start_step >= cfg.steps:
+    writer.print(f"{workdir} already finished its {cfg.steps} steps; raise --config.steps to go on")
   if eval_batches and start_step == 0:
     last["eval_loss"] = evaluate(state["params"])
     writer.write(0, {"eval_loss": last["eval_loss"]})
