@@ -1,0 +1,331 @@
+"""Sweep report: per-recipe losses with seed confidence intervals, paired tests against bf16.
+
+  python -m infir2_jax.report runs/sweep [--reference=bf16] [--margin=0.01] [--last_k=10]
+      [--alpha=0.05] [--out_dir=runs/sweep]
+
+Reads every run directory of a sweep (infir2_jax.sweep) and writes OUT_DIR/report.md, PNG
+plots (loss curves with confidence bands, paired differences, FP8 telemetry per layer) and
+runs.csv (the per-seed numbers every statistic is computed from). Statistics:
+  final train loss of a run  = mean of its last `last_k` logged train losses,
+  validation loss of a run   = its last eval_loss (the end of training),
+  per recipe                 = mean and 95% Student-t interval across seeds,
+  paired difference          = recipe - reference per seed (same init and data), t interval,
+  equivalence (TOST)         = both one-sided t tests reject |difference| >= margin at alpha,
+                               i.e. the (1 - 2 alpha) interval lies inside +-margin; the
+                               margin is `margin` x the reference's mean loss (relative).
+"""
+
+import csv
+import dataclasses
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from infir2_jax import report_plots
+from infir2_jax import stats
+from infir2_jax import rundir
+
+DEFAULTS = {"reference": "bf16", "margin": 0.01, "last_k": 10, "alpha": 0.05, "level": 0.95}
+RECIPE_KEY, SEED_KEY = "precision.recipe", "seed"
+
+
+@dataclasses.dataclass
+class RunData:
+  """One run's identity, status and curves (steps ascending)."""
+  name: str
+  status: str                      # sweep.run_status
+  recipe: str
+  seed: int
+  group: tuple[tuple[str, Any], ...]  # the other grid axes
+  steps: np.ndarray
+  loss: np.ndarray
+  eval_steps: np.ndarray
+  eval_loss: np.ndarray
+  telemetry: list[dict[str, float]]  # the fp8/* keys of each telemetry step, with "step"
+  wall_s: float | None = None
+
+  def final_train(self, last_k: int) -> float:
+    return float(np.mean(self.loss[-last_k:])) if self.loss.size else math.nan
+
+  def final_eval(self) -> float:
+    return float(self.eval_loss[-1]) if self.eval_loss.size else math.nan
+
+
+def load_run(run_dir: str) -> RunData:
+  """A run directory (metrics.jsonl, config.json, the sweep's markers) as RunData."""
+  records = rundir.read_metrics(run_dir)
+  config = rundir.read_json(os.path.join(run_dir, "config.json")) or {}
+  axes = (rundir.read_json(os.path.join(run_dir, rundir.RUN_FILE)) or {}).get("axes", {})
+  recipe = axes.get(RECIPE_KEY, config.get("precision", {}).get("recipe", "?"))
+  seed = int(axes.get(SEED_KEY, config.get("seed", -1)))
+  group = tuple(sorted((k, v) for k, v in axes.items() if k not in (RECIPE_KEY, SEED_KEY)))
+  train = [r for r in records if "loss" in r]
+  evals = [r for r in records if "eval_loss" in r]
+  telemetry = [{k: v for k, v in r.items() if k.startswith("fp8/") or k == "step"}
+               for r in train if any(k.startswith("fp8/") for k in r)]
+  marker = (rundir.read_json(os.path.join(run_dir, rundir.DONE_FILE))
+            or rundir.read_json(os.path.join(run_dir, rundir.FAILED_FILE)) or {})
+  return RunData(
+      name=os.path.basename(os.path.normpath(run_dir)), status=rundir.run_status(run_dir),
+      recipe=str(recipe), seed=seed, group=group,
+      steps=np.array([r["step"] for r in train], np.int64),
+      loss=np.array([r["loss"] for r in train], np.float64),
+      eval_steps=np.array([r["step"] for r in evals], np.int64),
+      eval_loss=np.array([r["eval_loss"] for r in evals], np.float64),
+      telemetry=telemetry, wall_s=marker.get("wall_s"))
+
+
+def load_runs(sweep_dir: str) -> list[RunData]:
+  """Every run directory under sweep_dir (those with metrics.jsonl or a sweep marker)."""
+  if not os.path.isdir(sweep_dir):
+    raise FileNotFoundError(f"sweep directory {sweep_dir!r} does not exist")
+  runs = []
+  for name in sorted(os.listdir(sweep_dir)):
+    path = os.path.join(sweep_dir, name)
+    if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in (
+        "metrics.jsonl", rundir.RUN_FILE)):
+      runs.append(load_run(path))
+  if not runs:
+    raise ValueError(f"no run directories (with metrics.jsonl) in {sweep_dir!r}")
+  return runs
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeSummary:
+  """One recipe's statistics in one group of the other axes."""
+  recipe: str
+  seeds: tuple[int, ...]
+  train: stats.MeanCI | None
+  val: stats.MeanCI | None
+  d_train: stats.MeanCI | None      # recipe - reference, paired by seed
+  d_val: stats.MeanCI | None
+  tost_train: stats.Tost | None
+  tost_val: stats.Tost | None
+  not_done: tuple[tuple[str, str], ...]  # runs left out: (name, status)
+
+
+def _by_seed(runs: list[RunData], value) -> dict[int, float]:
+  return {r.seed: value(r) for r in runs if math.isfinite(value(r))}
+
+
+def summarize(runs: list[RunData], reference: str = "bf16", *, last_k: int = 10,
+              margin: float = 0.01, alpha: float = 0.05, level: float = 0.95
+              ) -> dict[tuple, list[RecipeSummary]]:
+  """Per group (the other axes' values), per recipe: the statistics of the module docstring.
+
+  Only finished runs ("done") enter the statistics; the others are listed in not_done.
+  A recipe's paired difference uses the seeds it shares with the reference.
+  """
+  if last_k < 1:
+    raise ValueError(f"last_k must be >= 1, got {last_k}")
+  out: dict[tuple, list[RecipeSummary]] = {}
+  for group in sorted({r.group for r in runs}, key=repr):
+    members = [r for r in runs if r.group == group]
+    done = [r for r in members if r.status == "done"]
+    recipes = sorted({r.recipe for r in members}, key=lambda n: (n != reference, n))
+    if reference not in recipes:
+      raise ValueError(f"reference recipe {reference!r} has no runs in group {dict(group)}; "
+                       f"recipes: {recipes}")
+    metrics = {"train": lambda r: r.final_train(last_k), "val": RunData.final_eval}
+    ref = {m: _by_seed([r for r in done if r.recipe == reference], f)
+           for m, f in metrics.items()}
+    rows = []
+    for recipe in recipes:
+      mine = [r for r in done if r.recipe == recipe]
+      per = {m: _by_seed(mine, f) for m, f in metrics.items()}
+      result = {}
+      for m in metrics:
+        vals = per[m]
+        result[m] = stats.mean_ci(list(vals.values()), level) if vals else None
+        shared = sorted(set(vals) & set(ref[m]))
+        if recipe == reference or not shared or not ref[m]:
+          result["d_" + m] = result["tost_" + m] = None
+          continue
+        a = [vals[s] for s in shared]
+        b = [ref[m][s] for s in shared]
+        result["d_" + m] = stats.paired_diff(a, b, level)
+        ref_mean = float(np.mean(list(ref[m].values())))
+        result["tost_" + m] = stats.tost(np.subtract(a, b), margin * ref_mean, alpha)
+      seeds = tuple(sorted({r.seed for r in mine}))
+      not_done = tuple((r.name, r.status) for r in members
+                       if r.recipe == recipe and r.status != "done")
+      rows.append(RecipeSummary(recipe, seeds, result["train"], result["val"],
+                                result["d_train"], result["d_val"], result["tost_train"],
+                                result["tost_val"], not_done))
+    out[group] = rows
+  return out
+
+
+def _fmt_ci(ci: stats.MeanCI | None, digits: int = 4) -> str:
+  if ci is None:
+    return "—"
+  if ci.n < 2:
+    return f"{ci.mean:.{digits}f} (n=1)"
+  return f"{ci.mean:.{digits}f} ± {ci.half_width:.{digits}f}"
+
+
+def _fmt_diff(ci: stats.MeanCI | None, ref_mean: float | None) -> str:
+  if ci is None:
+    return "—"
+  rel = f" ({100 * ci.mean / ref_mean:+.2f}%)" if ref_mean else ""
+  if ci.n < 2:
+    return f"{ci.mean:+.4f}{rel} (n=1)"
+  return f"{ci.mean:+.4f} [{ci.low:+.4f}, {ci.high:+.4f}]{rel}"
+
+
+def _fmt_tost(t: stats.Tost | None) -> str:
+  if t is None:
+    return "—"
+  p = "n/a" if math.isnan(t.p_value) else (f"{t.p_value:.2g}" if t.p_value >= 1e-4
+                                            else "<1e-4")
+  return f"**{stats.verdict(t)}** (p={p}, margin ±{t.margin:.4f})"
+
+
+def markdown(summary: dict[tuple, list[RecipeSummary]], runs: list[RunData],
+             settings: dict[str, Any], sweep_record: dict | None, plots: dict[str, str],
+             telemetry: str = "") -> str:
+  """The report text; plots maps a caption to a PNG file name next to report.md."""
+  s = settings
+  lines = ["# Precision sweep report", ""]
+  if sweep_record:
+    spec = sweep_record.get("spec", {})
+    sessions = sweep_record.get("sessions", [])
+    wall = sum(x.get("wall_s", 0) for x in sessions)
+    lines += [f"- base config: `{spec.get('base') or 'default'}`",
+              f"- overrides: `{spec.get('overrides', {})}`",
+              f"- grid: `{spec.get('grid', {})}`"]
+    if sessions:
+      last = sessions[-1]
+      if last.get("command"):
+        lines.append(f"- command: `{last['command']}`")
+      lines.append(f"- wall time: {wall / 60:.1f} min over {len(sessions)} session(s) "
+                   f"(last: {last.get('parallel')} run(s) at a time, {last.get('cpus')} CPUs, "
+                   f"{last.get('platform')})")
+  n_done = sum(r.status == "done" for r in runs)
+  lines += [f"- runs: {len(runs)} ({n_done} finished)", "",
+            "## Method", "",
+            f"Final train loss of a run = mean of its last {s['last_k']} logged train losses; "
+            "validation loss = its eval loss at the last step. Per recipe: mean ± half-width "
+            f"of the {100 * s['level']:.0f}% Student-t interval across seeds. Δ = recipe − "
+            f"`{s['reference']}`, paired by seed (same initialization and data order), with "
+            f"its {100 * s['level']:.0f}% t interval. Equivalence: TOST (two one-sided paired "
+            f"t tests, α = {s['alpha']}) at a margin of ±{100 * s['margin']:g}% of the "
+            f"reference's mean loss: **equivalent** when the {100 * (1 - 2 * s['alpha']):.0f}% "
+            "interval of Δ lies inside the margin, **not equivalent** when it lies outside, "
+            "otherwise **inconclusive** (more seeds needed). Lower loss is better; Δ > 0 "
+            "means the recipe is worse.", ""]
+  for group, rows in summary.items():
+    if group:
+      lines += [f"## {', '.join(f'{k}={v}' for k, v in group)}", ""]
+    else:
+      lines += ["## Results", ""]
+    ref_row = rows[0]
+    ref_train = ref_row.train.mean if ref_row.train else None
+    ref_val = ref_row.val.mean if ref_row.val else None
+    lines += ["| recipe | seeds | train loss | val loss | Δ train [CI] | Δ val [CI] |",
+              "|---|---|---|---|---|---|"]
+    for r in rows:
+      lines.append(f"| `{r.recipe}` | {len(r.seeds)} | {_fmt_ci(r.train)} | {_fmt_ci(r.val)} "
+                   f"| {_fmt_diff(r.d_train, ref_train)} | {_fmt_diff(r.d_val, ref_val)} |")
+    lines += ["", f"Equivalence to `{s['reference']}` (TOST):", "",
+              "| recipe | validation loss | train loss |", "|---|---|---|"]
+    for r in rows[1:]:
+      diverged = [name for name, status in r.not_done if status == "diverged"]
+      if diverged:  # a recipe that diverged on any seed is not equivalent, whatever the rest say
+        cell = f"**diverged** ({len(diverged)} run(s): {', '.join(diverged)})"
+        lines.append(f"| `{r.recipe}` | {cell} | {cell} |")
+      else:
+        lines.append(f"| `{r.recipe}` | {_fmt_tost(r.tost_val)} | {_fmt_tost(r.tost_train)} |")
+    missing = [f"{name} ({status})" for r in rows for name, status in r.not_done]
+    if missing:
+      lines += ["", "Left out of the statistics (not finished): " + ", ".join(missing)]
+    lines.append("")
+  def figures(telemetry_plots: bool):
+    for caption, name in plots.items():
+      if caption.startswith("FP8 telemetry") == telemetry_plots:
+        lines.extend([f"### {caption}", "", f"![{caption}]({name})", ""])
+  figures(False)
+  if telemetry:
+    lines += [telemetry, ""]
+  figures(True)
+  lines += ["## Runs", "", "| run | recipe | seed | status | final train loss | val loss | "
+            "wall (s) |", "|---|---|---|---|---|---|---|"]
+  for r in runs:
+    wall = f"{r.wall_s:.0f}" if r.wall_s is not None else "—"
+    lines.append(f"| {r.name} | `{r.recipe}` | {r.seed} | {r.status} | "
+                 f"{r.final_train(s['last_k']):.4f} | {r.final_eval():.4f} | {wall} |")
+  lines += ["", "Per-seed values: [runs.csv](runs.csv). Regenerate: "
+            "`python -m infir2_jax.report SWEEP_DIR`.", ""]
+  return "\n".join(lines)
+
+
+def write_csv(path: str, runs: list[RunData], last_k: int) -> None:
+  with open(path, "w", newline="") as f:
+    w = csv.writer(f)
+    keys = sorted({k for r in runs for k, _ in r.group})
+    w.writerow(["run", "recipe", "seed", *keys, "status", "final_train_loss", "val_loss",
+                "steps", "wall_s"])
+    for r in runs:
+      g = dict(r.group)
+      w.writerow([r.name, r.recipe, r.seed, *[g.get(k, "") for k in keys], r.status,
+                  f"{r.final_train(last_k):.6f}", f"{r.final_eval():.6f}",
+                  int(r.steps[-1]) if r.steps.size else 0,
+                  "" if r.wall_s is None else f"{r.wall_s:.1f}"])
+
+
+def make_report(sweep_dir: str, out_dir: str | None = None, *, plots: bool = True,
+                **settings) -> str:
+  """Writes report.md (+ PNGs, runs.csv) for a sweep directory; returns the report's path.
+
+  settings: reference, margin, last_k, alpha, level; unset ones come from the sweep config's
+  `report` section (WORKDIR/sweep.json), then DEFAULTS.
+  """
+  record = rundir.read_json(os.path.join(sweep_dir, rundir.SWEEP_FILE))
+  from_sweep = (record or {}).get("spec", {}).get("report", {})
+  unknown = sorted(set(settings) - set(DEFAULTS))
+  if unknown:
+    raise ValueError(f"unknown report setting(s) {unknown}; valid: {sorted(DEFAULTS)}")
+  s = {k: settings.get(k) if settings.get(k) is not None else from_sweep.get(k, v)
+       for k, v in DEFAULTS.items()}
+  runs = load_runs(sweep_dir)
+  summary = summarize(runs, s["reference"], last_k=int(s["last_k"]), margin=float(s["margin"]),
+                      alpha=float(s["alpha"]), level=float(s["level"]))
+  out_dir = out_dir or sweep_dir
+  os.makedirs(out_dir, exist_ok=True)
+  figures = {}
+  if plots:
+    figures = report_plots.write_all(runs, out_dir, reference=s["reference"],
+                                     margin=float(s["margin"]), level=float(s["level"]))
+  write_csv(os.path.join(out_dir, "runs.csv"), runs, int(s["last_k"]))
+  text = markdown(summary, runs, s, record, figures, report_plots.telemetry_markdown(runs))
+  path = os.path.join(out_dir, "report.md")
+  with open(path, "w") as f:
+    f.write(text)
+  return path
+
+
+def main(argv=None) -> None:
+  from absl import app, flags
+  flags.DEFINE_string("reference", None, "Recipe the others are compared to (default bf16).")
+  flags.DEFINE_float("margin", None, "Equivalence margin, relative to the reference's mean "
+                     "loss (default 0.01 = 1%).")
+  flags.DEFINE_integer("last_k", None, "Final train loss = mean of the last k steps (10).")
+  flags.DEFINE_float("alpha", None, "TOST significance level (0.05).")
+  flags.DEFINE_string("out_dir", None, "Where report.md and the plots go (default: SWEEP_DIR).")
+  flags.DEFINE_bool("plots", True, "Write PNG plots (needs matplotlib).")
+
+  def _main(args):
+    if len(args) != 2:
+      raise app.UsageError("usage: python -m infir2_jax.report SWEEP_DIR [--flags]")
+    F = flags.FLAGS
+    path = make_report(args[1], F.out_dir, plots=F.plots, reference=F.reference,
+                       margin=F.margin, last_k=F.last_k, alpha=F.alpha)
+    print(f"wrote {path}")
+
+  app.run(_main, argv=argv)
+
+
+if __name__ == "__main__":
+  main()
