@@ -6,7 +6,8 @@
   python -m infir2_jax.export --workdir=runs/sft_stage1 --out=runs/sft_stage1/hf
   python -m infir2_jax.train --config=configs/sft_stage2.py --workdir=runs/sft_stage2  # from it
 
-CPU demo (the small default model on the shipped CHAMP competition-math chats, minutes):
+CPU demo (the small default model on the shipped CHAMP competition-math chats, minutes),
+starting from the pretrained embedded default (`python -m infir2_jax.train` -> runs/default):
   python -m infir2_jax.train --config=configs/sft_stage1.py:demo --workdir=runs/sft_demo1
   python -m infir2_jax.evaluate --workdir=runs/sft_demo1 --limit=16
 
@@ -77,7 +78,7 @@ def demo_config(stage: int):
   """The embedded default model SFT'd on shipped data on a CPU: CHAMP math, then HumanEval."""
   config = _base("default").get_config()
   apply_sft_settings(config, num_samples=1)
-  config.precision.recipe = "bf16"     # CPU: FP8 is emulated and slower; same pipeline
+  config.init.from_run = "runs/default" if stage == 1 else "runs/sft_demo1"  # pretrained first
   config.data.source = "default" if stage == 1 else "humaneval"  # CHAMP train / HumanEval
   config.data.system_prompt = ""       # short prompts: more of each row is learnable tokens
   config.seq_len = 1024                # fits all but the longest 1-2% of the chats

@@ -31,9 +31,7 @@ def _stage1():
 def get_config(variant: str | None = None):
   stage1 = _stage1()
   if variant == "demo":
-    config = stage1.demo_config(stage=2)
-    config.init.from_run = "runs/sft_demo1"
-    return config
+    return stage1.demo_config(stage=2)
   if variant:
     raise ValueError(f"unknown variant {variant!r} of configs/sft_stage2.py; valid: 'demo'")
   config = stage1.get_config()

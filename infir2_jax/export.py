@@ -55,8 +55,9 @@ def read_run_config(workdir: str):
 
 
 def checkpoint_path(workdir: str, step: int | None = None) -> tuple[str, int]:
-  """(WORKDIR/checkpoints/<step>/state, step); step None = the latest."""
-  root = os.path.join(workdir, "checkpoints")
+  """(WORKDIR/checkpoints/<step>/state, step) as an absolute path (orbax needs one); step None
+  = the latest."""
+  root = os.path.join(os.path.abspath(workdir), "checkpoints")
   steps = sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
   if not steps:
     raise FileNotFoundError(f"no checkpoints in {root}")

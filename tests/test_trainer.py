@@ -132,13 +132,13 @@ def test_cli_rejects_unknown_key_and_reports_it():
   assert "model.hidden_size" in result.stderr
 
 
-def test_init_from_another_run_starts_from_its_weights(tmp_path):
+def test_init_from_another_run_starts_from_its_weights(tmp_path, monkeypatch):
   """init.from_run loads the other run's final float32 params: the new run's step-0 eval
-  loss equals the old run's final eval loss."""
-  first = str(tmp_path / "first")
-  last = train(tiny_config(**{"steps": 4}), first)
+  loss equals the old run's final eval loss (workdirs given relative, as on a command line)."""
+  monkeypatch.chdir(tmp_path)
+  last = train(tiny_config(**{"steps": 4}), "first")
   second = str(tmp_path / "second")
-  train(tiny_config(**{"steps": 1, "init.from_run": first}), second)
+  train(tiny_config(**{"steps": 1, "init.from_run": "first"}), second)
   step0 = [m for m in read_metrics(second) if "eval_loss" in m and m["step"] == 0]
   assert step0 and abs(step0[0]["eval_loss"] - last["eval_loss"]) < 1e-6
 
