@@ -5,16 +5,14 @@
 Architecture = HF Qwen/Qwen2.5-7B config.json (untied LM head).
 """
 
-import importlib.util
 import os
+
+from infir2_jax.config import get_config_dict
 
 
 def get_config(variant: str | None = None):
-  spec = importlib.util.spec_from_file_location(
-      "config_1p5b", os.path.join(os.path.dirname(__file__), "1p5b.py"))
-  base = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(base)
-  config = base.get_config(variant)
+  base = os.path.join(os.path.dirname(__file__), "1p5b.py")
+  config = get_config_dict(base + (f":{variant}" if variant else ""))  # 1p5b's training setup
   config.model.vocab_size = 152064
   config.model.hidden_size = 3584
   config.model.intermediate_size = 18944

@@ -1,7 +1,6 @@
 """Qwen2 model: shapes, parameter counts, causality, packed-segment isolation, injection point."""
 
 import dataclasses
-import importlib.util
 import os
 
 import flax.linen as nn
@@ -16,13 +15,6 @@ from infir2_jax.model import ModelConfig, Qwen2
 TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, dtype="float32")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_config(name, variant=None):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(variant)
 
 
 def init(cfg, factory=None, length=16):
@@ -43,8 +35,8 @@ def test_param_count_matches_config(tie):
 @pytest.mark.parametrize("name,expected", [("1p5b", 1_543_714_304), ("7b", 7_615_616_512)])
 def test_real_configs_match_qwen25_parameter_counts(name, expected):
   """Qwen2.5-1.5B has 1.54B parameters (tied), Qwen2.5-7B 7.62B (untied): HF model cards."""
-  from infir2_jax.config import TrainConfig
-  cfg = TrainConfig.from_config_dict(load_config(name)).model
+  from infir2_jax.config import load_config
+  cfg = load_config(os.path.join(ROOT, "configs", f"{name}.py")).model
   shapes = jax.eval_shape(lambda: Qwen2(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
   assert sum(x.size for x in jax.tree.leaves(shapes)) == cfg.num_params() == expected
 
