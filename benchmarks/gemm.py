@@ -11,7 +11,6 @@ reference on sampled rows, on fresh random inputs quantized by the reference
 quantizer. Results are written after every shape.
 """
 import argparse
-import dataclasses
 import json
 import math
 import sys

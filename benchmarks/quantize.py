@@ -15,7 +15,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from infir2_jax import kernels
 from infir2_jax import benchtools

@@ -44,7 +44,6 @@ def _parse():
 def run_one(args, recipe: str, seq_len: int) -> dict:
   """Compiles and times one train step variant in this process."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from infir2_jax import sharding as sharding_lib
   from infir2_jax.config import load_config

@@ -35,9 +35,6 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def all_steps(self) -> list[int]:
-    return list(self._manager.all_steps())
-
   def should_save(self, step: int) -> bool:
     return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
 

@@ -11,13 +11,11 @@ Anything else is a single-process run and jax.distributed is left alone.
 """
 
 import dataclasses
-import logging
 import os
 from collections.abc import Mapping
 
-from absl import flags
 import jax
-from absl import logging
+from absl import flags, logging
 
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0 for a multi-process run "

@@ -25,7 +25,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 
 from infir2_jax.precision import gemm, stats
