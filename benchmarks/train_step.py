@@ -2,17 +2,27 @@
 
   python benchmarks/train_step.py --config=configs/1p5b.py \
       --recipes=bf16,fp8_tensorwise,infir2 --seq_lens=4096,8192 --tokens_per_step=16384 \
-      --out=benchmarks/results/train_step_h200.json
+      --data=text --override=data.tokenizer=default --override=steps=50 \
+      --override=opt.warmup_steps=10 --steps=48 --out=benchmarks/results/train_step_h200.json
 
-Each (recipe, seq_len) runs in a fresh subprocess (so peak memory is its own) on synthetic
-token ids (no tokenizer or data download); the parent measures the XLA bf16 GEMM rate in the
-same run, for MFU against what this card actually delivers. Reports median step time,
-tokens/s, MFU (vs 989 TFLOP/s and vs the measured GEMM rate), peak device memory, and the
-FP8 GEMMs found in the compiled HLO. `--profile_dir` also traces one step per variant and
-summarises where the time went (GEMMs, attention, our Pallas kernels, the rest).
+Each (recipe, seq_len) runs in its own subprocess (so peak memory is its own). All of them
+compile at once, from abstract shapes (no device memory, the CPU cores busy in parallel);
+then they run one at a time, each alone on the GPU, from the same init (seed 0) on the same
+batches. `--data=text` trains on the config's text data (`--override=data.tokenizer=default`:
+the committed Shakespeare with our 8k BPE, no download; ids < 8k fit any vocab), so the
+losses of the first steps are a real loss curve; `--data=synthetic` uses random ids.
+The bf16 run at the longest seq_len is repeated on another data order (`noise_losses`): the
+loss difference that data order alone makes, the yardstick for "within noise".
+The parent measures the XLA bf16 GEMM rate in the same run, for MFU against what this card
+delivers. Reports median step time (2 warm-up steps excluded), tokens/s, MFU (vs 989 TFLOP/s
+and vs the measured GEMM rate), peak device memory, XLA's memory analysis and the FP8 GEMMs in
+the compiled HLO. `--profile_dir` also traces one step per variant and sums GPU kernel time
+by kind (GEMMs, attention, our Pallas kernels, the rest), with the top kernels by time.
+Results are written after every variant, so a run cut short keeps what it measured.
 """
 
 import argparse
+import collections
 import gzip
 import json
 import os
@@ -24,25 +34,73 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PEAK_BF16 = 989e12
+WARMUP_STEPS = 2
 
 
 def _parse():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--config", default="configs/1p5b.py")
-  p.add_argument("--recipes", default="bf16,fp8_tensorwise,infir2")
+  p.add_argument("--recipes", default="bf16,fp8_tensorwise,infir2",
+                 help="variants: a recipe, with ~a.b=v overrides of its own, e.g. "
+                      "infir2~precision.backend=xla")
   p.add_argument("--seq_lens", default="4096")
   p.add_argument("--tokens_per_step", type=int, default=16384)
   p.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up steps)")
+  p.add_argument("--data", choices=("synthetic", "text"), default="synthetic")
   p.add_argument("--override", action="append", default=[],
                  help="extra config overrides a.b=v (repeatable), e.g. model.remat=full")
+  p.add_argument("--noise_run", type=int, default=1,
+                 help="repeat bf16 at the longest seq_len on another data order (1/0)")
   p.add_argument("--out", default="")
   p.add_argument("--profile_dir", default="")
   p.add_argument("--child", default="", help=argparse.SUPPRESS)  # "recipe:seq_len"
+  p.add_argument("--sync_dir", default="", help=argparse.SUPPRESS)
   return p.parse_args()
 
 
-def run_one(args, recipe: str, seq_len: int) -> dict:
-  """Compiles and times one train step variant in this process."""
+def _batches(cfg, count: int, shuffle_seed: int, data: str):
+  """`count` host batches: the config's text pipeline, or random ids."""
+  import dataclasses
+  import numpy as np
+  shape = (cfg.batch_size, cfg.seq_len)
+  if data == "synthetic":
+    rng = np.random.default_rng(shuffle_seed)
+    out = []
+    for _ in range(count):
+      ids = rng.integers(0, cfg.model.vocab_size, (shape[0], shape[1] + 1), dtype=np.int32)
+      out.append({"inputs": ids[:, :-1], "targets": ids[:, 1:],
+                  "segment_ids": np.ones(shape, np.int32),
+                  "positions": np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape).copy(),
+                  "loss_mask": np.ones(shape, np.float32)})
+    return out
+  from infir2_jax.data import make_data
+  data_cfg = dataclasses.replace(cfg.data, shuffle_seed=shuffle_seed, prefetch=0)
+  pipeline = make_data(data_cfg, seq_len=cfg.seq_len, global_batch_size=cfg.batch_size,
+                       seed=cfg.seed)
+  if pipeline.vocab_size > cfg.model.vocab_size:
+    raise ValueError(f"tokenizer vocab {pipeline.vocab_size} > model vocab "
+                     f"{cfg.model.vocab_size}")
+  it = iter(pipeline.train)
+  return [next(it) for _ in range(count)]
+
+
+def _wait_for(path: str, proc_alive=lambda: True, poll_s: float = 0.2) -> bool:
+  while not os.path.exists(path):
+    if not proc_alive():
+      return False
+    time.sleep(poll_s)
+  return True
+
+
+def split_label(label: str) -> tuple[str, list[str]]:
+  """"infir2~precision.backend=xla" -> ("infir2", ["precision.backend=xla"])."""
+  recipe, *overrides = label.split("~")
+  return recipe, overrides
+
+
+def run_one(args, label: str, seq_len: int) -> dict:
+  """Compiles one train step variant from abstract shapes, waits for its turn, times it."""
+  import flax.linen as nn
   import jax
   import numpy as np
   from infir2_jax import sharding as sharding_lib
@@ -53,96 +111,133 @@ def run_one(args, recipe: str, seq_len: int) -> dict:
   from infir2_jax.trainer import build_model, init_params_fn
 
   batch_size = max(args.tokens_per_step // seq_len, 1)
+  recipe, label_overrides = split_label(label)
   overrides = [f"precision.recipe={recipe}", f"seq_len={seq_len}", f"batch_size={batch_size}",
-               "mesh.data=1", *args.override]
+               "mesh.data=1", *args.override, *label_overrides]
   cfg = load_config(args.config, overrides)
   device = jax.devices()[0]
   mesh = sharding_lib.make_mesh(cfg.mesh, [device])
   rules = sharding_lib.logical_rules(cfg.mesh)
   model = build_model(cfg)
   optimizer = make_optimizer(cfg.opt, cfg.steps)
-  t0 = time.perf_counter()
-  state, shardings = sharding_lib.sharded_init(init_params_fn(model, cfg), optimizer, mesh,
-                                               rules, jax.random.key(0))
-  jax.block_until_ready(state)
-  init_s = time.perf_counter() - t0
-  rng = np.random.default_rng(0)
+  init_fn = init_params_fn(model, cfg)
+  structs, _ = sharding_lib.abstract_state(init_fn, optimizer, mesh, rules)
+  batch_sharding = sharding_lib.batch_sharding(mesh)
   shape = (batch_size, seq_len)
-  batch = {"inputs": rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32),
-           "targets": rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32),
-           "segment_ids": np.ones(shape, np.int32),
-           "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), shape).copy(),
-           "loss_mask": np.ones(shape, np.float32)}
-  batch = jax.device_put(batch, sharding_lib.batch_sharding(mesh))
-  import flax.linen as nn
+  batch_structs = {k: jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding) for k, dt in (
+      ("inputs", np.int32), ("targets", np.int32), ("segment_ids", np.int32),
+      ("positions", np.int32), ("loss_mask", np.float32))}
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     step = jax.jit(make_train_step(model, optimizer, make_schedule(cfg.opt, cfg.steps),
                                    cfg.grad_accum_steps), donate_argnums=0)
     t0 = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled = step.lower(structs, batch_structs).compile()
     compile_s = time.perf_counter() - t0
   hlo_counts = hlo_fp8_gemm_count(compiled.as_text())
   memory = compiled.memory_analysis()
-  losses, times = [], []
-  for i in range(2 + args.steps):
+  total_steps = WARMUP_STEPS + args.steps
+  host_batches = _batches(cfg, total_steps, 0, args.data)
+  noise = (args.noise_run and label == "bf16"
+           and seq_len == max(int(s) for s in args.seq_lens.split(",")))
+  noise_batches = _batches(cfg, total_steps, 1, args.data) if noise else None
+  tag = f"{label}:{seq_len}"
+  if args.sync_dir:  # compiled: wait for this variant's turn on the GPU
+    open(os.path.join(args.sync_dir, f"compiled_{tag}"), "w").close()
+    _wait_for(os.path.join(args.sync_dir, f"go_{tag}"))
+
+  def train(batches):
     t0 = time.perf_counter()
-    state, metrics = compiled(state, batch)
-    loss = float(metrics["loss"])  # blocks: one step's wall time
-    if i >= 2:
-      times.append(time.perf_counter() - t0)
-    losses.append(loss)
-  if args.profile_dir:
-    trace_dir = os.path.join(args.profile_dir, f"{recipe}_{seq_len}")
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    state, _ = sharding_lib.sharded_init(init_fn, optimizer, mesh, rules, jax.random.key(0))
+    jax.block_until_ready(state)
+    init_s = time.perf_counter() - t0
+    device_batches = [jax.device_put(b, batch_sharding) for b in batches]
+    losses, times = [], []
+    for i, batch in enumerate(device_batches):
+      t0 = time.perf_counter()
       state, metrics = compiled(state, batch)
+      losses.append(float(metrics["loss"]))  # blocks: one step's wall time
+      if i >= WARMUP_STEPS:
+        times.append(time.perf_counter() - t0)
+    return state, losses, times, init_s, device_batches[-1]
+
+  state, losses, times, init_s, last_batch = train(host_batches)
+  trace_dir = ""
+  if args.profile_dir:
+    trace_dir = os.path.join(args.profile_dir, f"{label.replace('~', '_')}_{seq_len}")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      state, metrics = compiled(state, last_batch)
       float(metrics["loss"])
   stats = device.memory_stats() or {}
+  noise_losses = None
+  if noise:
+    del state
+    noise_losses = train(noise_batches)[1]
   step_s = float(np.median(times))
   tokens = batch_size * seq_len
   flops = cfg.model.flops_per_token(seq_len) * tokens
   result = {
-      "recipe": recipe, "seq_len": seq_len, "batch_size": batch_size, "tokens_per_step": tokens,
+      "recipe": recipe, "label": label, "seq_len": seq_len, "batch_size": batch_size,
+      "tokens_per_step": tokens,
+      "overrides": overrides, "data": args.data,
       "median_step_s": step_s, "min_step_s": float(np.min(times)),
       "max_step_s": float(np.max(times)), "tokens_per_s": tokens / step_s,
       "model_tflops_per_s": flops / step_s / 1e12, "mfu_vs_989": flops / step_s / PEAK_BF16,
       "peak_memory_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+      "compiled_argument_gib": getattr(memory, "argument_size_in_bytes", 0) / 2**30,
       "compiled_temp_gib": getattr(memory, "temp_size_in_bytes", 0) / 2**30,
-      "compile_s": compile_s, "init_s": init_s, "losses": losses,
+      "compile_s": compile_s, "init_s": init_s, "losses": losses, "noise_losses": noise_losses,
+      "step_times_s": times,
       "hlo_fp8_gemms": hlo_counts, "remat": cfg.model.remat, "attention": cfg.model.attention,
       "backend": cfg.precision.backend,
   }
-  if args.profile_dir:
+  if trace_dir:
     result["profile"] = summarize_trace(trace_dir)
   return result
 
 
-def summarize_trace(trace_dir: str) -> dict:
-  """Milliseconds of GPU kernels by kind, from the perfetto trace of one step."""
-  paths = [os.path.join(r, f) for r, _, fs in os.walk(trace_dir) for f in fs
-           if f.endswith(".json.gz")]
+GEMM_KEYS = ("gemm", "cublas", "cutlass", "xmma", "sm90", "nvjet", "matmul", "dot")
+ATTENTION_KEYS = ("fmha", "flash", "cudnn", "attention", "sdpa")
+PALLAS_KEYS = ("block_scaled", "fp8_gemm", "quantize", "mosaic", "pallas")
+
+
+def kernel_kind(name: str) -> str:
+  name = name.lower()
+  if any(s in name for s in ATTENTION_KEYS):
+    return "attention"
+  if any(s in name for s in PALLAS_KEYS):
+    return "pallas_fp8"
+  if any(s in name for s in GEMM_KEYS):
+    return "gemm"
+  return "other"
+
+
+def summarize_trace(trace_dir: str, top: int = 25) -> dict:
+  """Milliseconds of GPU kernels by kind, and the top kernels, from one step's trace."""
+  paths = sorted(os.path.join(r, f) for r, _, fs in os.walk(trace_dir) for f in fs
+                 if f.endswith(".json.gz"))
   if not paths:
-    return {"error": "no perfetto trace written"}
+    return {"error": "no trace written"}
   with gzip.open(paths[0], "rt") as f:
     trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  kinds = {"gemm": 0.0, "attention": 0.0, "pallas_fp8": 0.0, "other": 0.0}
+  names = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu_pids = {pid for pid, n in names.items() if "gpu" in n.lower() or "/device:" in n.lower()}
+  gpu_pids = {pid for pid in gpu_pids if "cpu" not in names[pid].lower()}
+  kinds = collections.Counter()
+  per_kernel = collections.Counter()
   for e in events:
-    if e.get("ph") != "X" or "dur" not in e:
+    if e.get("ph") != "X" or "dur" not in e or e.get("pid") not in gpu_pids:
       continue
-    name = str(e.get("name", "")).lower()
-    if not any(s in name for s in ("fusion", "gemm", "kernel", "cublas", "cutlass", "xmma",
-                                   "fmha", "flash", "convert", "reduce", "mosaic", "triton",
-                                   "sm90", "cudnn", "copy", "transpose")):
-      continue  # host-side events
-    if any(s in name for s in ("fmha", "flash", "cudnn", "attention")):
-      kinds["attention"] += e["dur"]
-    elif any(s in name for s in ("block_scaled", "fp8_gemm", "quantize", "mosaic")):
-      kinds["pallas_fp8"] += e["dur"]
-    elif any(s in name for s in ("gemm", "cublas", "cutlass", "xmma", "sm90", "matmul")):
-      kinds["gemm"] += e["dur"]
-    else:
-      kinds["other"] += e["dur"]
-  return {k: v / 1e3 for k, v in kinds.items()}  # us -> ms
+    name = str(e.get("name", ""))
+    kinds[kernel_kind(name)] += e["dur"]
+    per_kernel[name] += e["dur"]
+  return {"ms_by_kind": {k: v / 1e3 for k, v in kinds.items()},
+          "device_ms_total": sum(kinds.values()) / 1e3,
+          "gpu_processes": sorted(names[p] for p in gpu_pids),
+          "all_processes": sorted(set(names.values()))[:20], "trace_file": paths[0],
+          "top_kernels_ms": [[n[:160], kernel_kind(n), d / 1e3]
+                             for n, d in per_kernel.most_common(top)]}
 
 
 def xla_bf16_gemm_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -164,43 +259,62 @@ def xla_bf16_gemm_tflops(n: int = 8192, reps: int = 20) -> float:
 def main():
   args = _parse()
   if args.child:
-    recipe, seq_len = args.child.split(":")
-    print("RESULT " + json.dumps(run_one(args, recipe, int(seq_len))), flush=True)
+    label, seq_len = args.child.rsplit(":", 1)
+    print("RESULT " + json.dumps(run_one(args, label, int(seq_len))), flush=True)
     return
+  # children share the GPU while compiling: no process may take 75% of it up front
+  os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  import tempfile
   import jax
   from infir2_jax import benchtools
   results = {**benchtools.run_info(sys.argv), "python": platform.python_version(),
+             "method": "variants compiled concurrently from abstract shapes, then run one at "
+                       "a time alone on the device; XLA_PYTHON_CLIENT_PREALLOCATE=false",
              "variants": []}
   if jax.default_backend() == "gpu":
     results["xla_bf16_gemm_tflops_8192"] = xla_bf16_gemm_tflops()
+  sync_dir = tempfile.mkdtemp(prefix="train_step_sync_")
+  tags = [f"{recipe}:{seq_len}" for seq_len in (int(s) for s in args.seq_lens.split(","))
+          for recipe in args.recipes.split(",")]
+  procs = {}
+  for tag in tags:
+    cmd = [sys.executable, __file__, "--child", tag, "--sync_dir", sync_dir] + [
+        a for a in sys.argv[1:] if not a.startswith("--out")]
+    procs[tag] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+  t0 = time.perf_counter()
+  for tag in tags:  # all compiled (or failed) before any runs
+    _wait_for(os.path.join(sync_dir, f"compiled_{tag}"), lambda: procs[tag].poll() is None)
+  results["all_compiled_s"] = time.perf_counter() - t0
+  print(f"all variants compiled in {results['all_compiled_s']:.0f} s", flush=True)
   rows = []
-  for seq_len in (int(s) for s in args.seq_lens.split(",")):
-    for recipe in args.recipes.split(","):
-      cmd = [sys.executable, __file__, "--child", f"{recipe}:{seq_len}"] + [
-          a for a in sys.argv[1:] if not a.startswith("--out")]
-      proc = subprocess.run(cmd, capture_output=True, text=True)
-      lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-      if proc.returncode or not lines:
-        err = (proc.stderr or proc.stdout)[-3000:]
-        print(f"{recipe} @ {seq_len} FAILED:\n{err}", file=sys.stderr)
-        results["variants"].append({"recipe": recipe, "seq_len": seq_len, "error": err[-800:]})
-        continue
+  for tag in tags:
+    label, seq_len = tag.rsplit(":", 1)
+    open(os.path.join(sync_dir, f"go_{tag}"), "w").close()
+    stdout, stderr = procs[tag].communicate()
+    lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
+    if procs[tag].returncode or not lines:
+      err = (stderr or stdout)[-3000:]
+      print(f"{tag} FAILED:\n{err}", file=sys.stderr, flush=True)
+      results["variants"].append({"recipe": split_label(label)[0], "label": label,
+                                  "seq_len": int(seq_len), "error": err[-800:]})
+    else:
       r = json.loads(lines[-1][len("RESULT "):])
       gemm = results.get("xla_bf16_gemm_tflops_8192")
       if gemm:
         r["mfu_vs_measured_bf16_gemm"] = r["model_tflops_per_s"] / gemm
       results["variants"].append(r)
       rows.append(r)
-  _ratios(rows)
-  _table(results)
-  if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-      json.dump(results, f, indent=1)
+    _ratios(rows)
+    _table(results)
+    if args.out:  # after every variant: a run cut short keeps what it measured
+      os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+      with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
 
 
 def _ratios(rows):
-  base = {r["seq_len"]: r for r in rows if r["recipe"] == "bf16"}
+  base = {r["seq_len"]: r for r in rows if r["label"] == "bf16"}
   for r in rows:
     b = base.get(r["seq_len"])
     if b:
@@ -214,20 +328,18 @@ def _table(results):
         f"{results['git_commit'][:10]}{' (dirty)' if results['git_dirty'] else ''}; "
         "XLA bf16 GEMM 8192^3: "
         f"{results.get('xla_bf16_gemm_tflops_8192', float('nan')):.0f} TFLOP/s")
-  print(f"{'recipe':16} {'seq':>5} {'ms/step':>8} {'x bf16':>7} {'tok/s':>8} {'MFU':>6} "
+  print(f"{'variant':28} {'seq':>5} {'ms/step':>8} {'x bf16':>7} {'tok/s':>8} {'MFU':>6} "
         f"{'peak GiB':>8} {'x bf16':>7} {'fp8 gemms':>10} {'compile s':>9}")
   for r in results["variants"]:
     if "error" in r:
-      print(f"{r['recipe']:16} {r['seq_len']:>5} FAILED")
+      print(f"{r['label']:28} {r['seq_len']:>5} FAILED")
       continue
-    print(f"{r['recipe']:16} {r['seq_len']:>5} {1e3 * r['median_step_s']:8.1f} "
+    print(f"{r['label']:28} {r['seq_len']:>5} {1e3 * r['median_step_s']:8.1f} "
           f"{r.get('step_time_vs_bf16', float('nan')):7.3f} {r['tokens_per_s']:8.0f} "
           f"{100 * r['mfu_vs_989']:5.1f}% {r['peak_memory_gib']:8.1f} "
           f"{r.get('peak_memory_vs_bf16', float('nan')):7.3f} "
           f"{sum(r['hlo_fp8_gemms'].values()) if isinstance(r['hlo_fp8_gemms'], dict) else r['hlo_fp8_gemms']:>10} "
-          f"{r['compile_s']:9.1f}")
-
-
+          f"{r['compile_s']:9.1f}", flush=True)
 
 if __name__ == "__main__":
   main()

@@ -49,9 +49,11 @@ def run_info(argv):
   dev = jax.devices()[0]
   return {
       "command": " ".join([os.path.basename(sys.executable), *argv]),
-      "git_commit": (lambda h: h if len(h) == 40 else "(unknown: no git checkout here)")(
-          git("rev-parse", "HEAD")),
-      "git_dirty": bool(git("status", "--porcelain")),
+      # a device machine gets a copy of the tree without .git: the caller passes the commit
+      "git_commit": (lambda h: h if len(h) == 40 else os.environ.get(
+          "INFIR2_GIT_COMMIT", "(unknown: no git checkout here)"))(git("rev-parse", "HEAD")),
+      "git_dirty": bool(git("status", "--porcelain")) if git("rev-parse", "HEAD") else
+                   os.environ.get("INFIR2_GIT_DIRTY", "unknown"),
       "device": getattr(dev, "device_kind", str(dev)),
       "num_sms": getattr(dev, "core_count", None),
       "jax_version": jax.__version__,

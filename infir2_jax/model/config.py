@@ -3,6 +3,9 @@
 import dataclasses
 
 
+REMAT_MODES = ("none", "save_dots", "save_dots_fp8", "full")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Qwen2/Qwen2.5 decoder hyper-parameters (names follow HF's Qwen2Config where they exist).
@@ -25,7 +28,9 @@ class ModelConfig:
   param_dtype: str = "float32"      # master weights
   init_std: float = 0.02            # normal init of linear and embedding weights
   attention: str = "xla"            # "xla" | "cudnn" | "auto" (cudnn on GPU)
-  remat: str = "none"               # "none" | "save_dots" | "full": activation recomputation per layer
+  # activation recomputation per layer: "none" | "save_dots" (keep matmul outputs) |
+  # "save_dots_fp8" (and FP8 recipes' quantized backward operands) | "full" (keep nothing)
+  remat: str = "none"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -40,8 +45,8 @@ class ModelConfig:
                        f"model.num_heads={self.num_heads}; set model.head_dim explicitly")
     if self.attention not in ("xla", "cudnn", "auto"):
       raise ValueError(f"model.attention={self.attention!r}; valid: 'xla', 'cudnn', 'auto'")
-    if self.remat not in ("none", "save_dots", "full"):
-      raise ValueError(f"model.remat={self.remat!r}; valid: 'none', 'save_dots', 'full'")
+    if self.remat not in REMAT_MODES:
+      raise ValueError(f"model.remat={self.remat!r}; valid: {', '.join(map(repr, REMAT_MODES))}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"model.{name}={getattr(self, name)!r}; valid: float32, bfloat16, float16")

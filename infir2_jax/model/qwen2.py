@@ -5,13 +5,21 @@ import jax
 import jax.numpy as jnp
 
 from infir2_jax.model.config import ModelConfig
+from infir2_jax.precision.dot_general import FP8_GEMM_OUT, FP8_RESIDUALS
 from infir2_jax.sharding import compute_axes
 from infir2_jax.model.layers import (
     MLP, Attention, DotGeneralFactory, Linear, RMSNorm, default_dot_general_factory)
 
+_cp = jax.checkpoint_policies
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # matmul outputs, XLA's and our FP8 GEMMs' (a Pallas call is no dot_general)
+    "save_dots": _cp.save_from_both_policies(
+        _cp.dots_with_no_batch_dims_saveable, _cp.save_only_these_names(FP8_GEMM_OUT)),
+    # ... and the FP8 operands of the backward GEMMs (no re-quantization, more memory)
+    "save_dots_fp8": _cp.save_from_both_policies(
+        _cp.dots_with_no_batch_dims_saveable,
+        _cp.save_only_these_names(FP8_GEMM_OUT, FP8_RESIDUALS)),
 }
 
 

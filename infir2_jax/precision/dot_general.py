@@ -16,6 +16,7 @@ wgrad tiling (1x128 along tokens: 1 byte + 1/128 scales per element, instead of 
 bf16 X) and W in its dgrad tiling; when the backward tiling equals the forward one transposed
 (128x128 blocks, per tensor) the forward QTensor is reused, not re-quantized. An operand the
 recipe keeps in bf16 is saved as is. So under infir2 the layer saves fp8 X^T + fp8 W^T.
+Under remat, the model's policy decides by the names FP8_GEMM_OUT and FP8_RESIDUALS.
 The `precision` argument is ignored on quantized paths (the recipe decides).
 """
 
@@ -26,12 +27,19 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from infir2_jax.precision import gemm, stats
 from infir2_jax.precision.gemm import bf16_dot_general
 from infir2_jax.precision.quantize import QTensor, quantize_tensor, resolve_tile
 from infir2_jax.precision.recipes import OperandSpec, Recipe, get_recipe
 
+# Names for remat policies (model/qwen2.py). A Pallas GEMM is no dot_general, so the
+# "save_dots" policy saves the FP8 GEMM's output by this name, or the backward pass would
+# recompute the forward GEMMs; FP8_RESIDUALS (the fp8 X^T and W^T the backward GEMMs take)
+# are saved only by "save_dots_fp8", else recomputed by re-quantizing the recomputed X.
+FP8_GEMM_OUT = "fp8_gemm_out"
+FP8_RESIDUALS = "fp8_residuals"
 SINK_SHAPE = (2, 2, len(stats.STAT_NAMES))   # (dgrad, wgrad) x (lhs, rhs) x stats
 FPROP_STATS_SHAPE = (2, len(stats.STAT_NAMES))  # (x, w) x stats
 
@@ -149,6 +157,7 @@ def _fp8_matmul_fwd(plan: _Plan, x_MxK, w_NxK, sink):
       bstats = jnp.stack([stats.operand_stats(w_NxK.T, w_KxN),
                           stats.operand_stats(x_MxK.T, xt_KxM)])
   out = (y_MxN, fstats) if plan.telemetry else y_MxN
+  xt_KxM, w_KxN = checkpoint_name((xt_KxM, w_KxN), FP8_RESIDUALS)
   return out, (xt_KxM, w_KxN, bstats)
 
 
@@ -210,8 +219,8 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=No
                telemetry, telemetry and sink is not None)
   out = _fp8_matmul(plan, x_MxK, w_NxK, sink)
   if telemetry:
-    return out[0].reshape(out_shape), out[1]
-  return out.reshape(out_shape)
+    return checkpoint_name(out[0], FP8_GEMM_OUT).reshape(out_shape), out[1]
+  return checkpoint_name(out, FP8_GEMM_OUT).reshape(out_shape)
 
 
 def make_dot_general(recipe: "Recipe | str", *, backend: str = "auto"):
