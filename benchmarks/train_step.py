@@ -42,7 +42,7 @@ def _parse():
   p.add_argument("--config", default="configs/1p5b.py")
   p.add_argument("--recipes", default="bf16,fp8_tensorwise,infir2",
                  help="variants: a recipe, with ~a.b=v overrides of its own, e.g. "
-                      "infir2~precision.backend=xla")
+                      "infir2~precision.backend=xla; @SEQ runs it at that seq_len only")
   p.add_argument("--seq_lens", default="4096")
   p.add_argument("--tokens_per_step", type=int, default=16384)
   p.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up steps)")
@@ -274,8 +274,10 @@ def main():
   if jax.default_backend() == "gpu":
     results["xla_bf16_gemm_tflops_8192"] = xla_bf16_gemm_tflops()
   sync_dir = tempfile.mkdtemp(prefix="train_step_sync_")
-  tags = [f"{recipe}:{seq_len}" for seq_len in (int(s) for s in args.seq_lens.split(","))
-          for recipe in args.recipes.split(",")]
+  tags = [f"{label.split('@')[0]}:{seq_len}"
+          for seq_len in (int(s) for s in args.seq_lens.split(","))
+          for label in args.recipes.split(",")
+          if "@" not in label or int(label.split("@")[1]) == seq_len]
   procs = {}
   for tag in tags:
     cmd = [sys.executable, __file__, "--child", tag, "--sync_dir", sync_dir] + [
