@@ -282,21 +282,30 @@ def main():
   for tag in tags:
     cmd = [sys.executable, __file__, "--child", tag, "--sync_dir", sync_dir] + [
         a for a in sys.argv[1:] if not a.startswith("--out")]
-    procs[tag] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
+    # to files, not pipes: a child blocked on a full pipe would never finish compiling
+    log = open(os.path.join(sync_dir, f"log_{tag}"), "w+")
+    procs[tag] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), log)
   t0 = time.perf_counter()
-  for tag in tags:  # all compiled (or failed) before any runs
-    _wait_for(os.path.join(sync_dir, f"compiled_{tag}"), lambda: procs[tag].poll() is None)
+  waiting = set(tags)
+  while waiting:  # all compiled (or failed) before any runs
+    waiting = {t for t in waiting if not os.path.exists(os.path.join(sync_dir, f"compiled_{t}"))
+               and procs[t][0].poll() is None}
+    if waiting and int(time.perf_counter() - t0) % 30 == 0:
+      print(f"{time.perf_counter() - t0:.0f} s: compiling {sorted(waiting)}", flush=True)
+    time.sleep(1)
   results["all_compiled_s"] = time.perf_counter() - t0
   print(f"all variants compiled in {results['all_compiled_s']:.0f} s", flush=True)
   rows = []
   for tag in tags:
     label, seq_len = tag.rsplit(":", 1)
     open(os.path.join(sync_dir, f"go_{tag}"), "w").close()
-    stdout, stderr = procs[tag].communicate()
+    proc, log = procs[tag]
+    proc.wait()
+    log.seek(0)
+    stdout = log.read()
     lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
-    if procs[tag].returncode or not lines:
-      err = (stderr or stdout)[-3000:]
+    if proc.returncode or not lines:
+      err = stdout[-3000:]
       print(f"{tag} FAILED:\n{err}", file=sys.stderr, flush=True)
       results["variants"].append({"recipe": split_label(label)[0], "label": label,
                                   "seq_len": int(seq_len), "error": err[-800:]})
