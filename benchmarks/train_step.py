@@ -292,6 +292,10 @@ def main():
                and procs[t][0].poll() is None}
     if waiting and int(time.perf_counter() - t0) % 30 == 0:
       print(f"{time.perf_counter() - t0:.0f} s: compiling {sorted(waiting)}", flush=True)
+      for t in sorted(waiting):  # what each is doing (its log's last line)
+        with open(os.path.join(sync_dir, f"log_{t}")) as f:
+          tail = f.read().strip().splitlines()[-1:]
+        print(f"  {t}: {tail[0][:200] if tail else ''}", flush=True)
     time.sleep(1)
   results["all_compiled_s"] = time.perf_counter() - t0
   print(f"all variants compiled in {results['all_compiled_s']:.0f} s", flush=True)
