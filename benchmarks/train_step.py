@@ -7,8 +7,8 @@
 
 Each (recipe, seq_len) runs in its own subprocess (so peak memory is its own). All of them
 compile at once, from abstract shapes (no device memory, the CPU cores busy in parallel);
-then they run one at a time, each alone on the GPU, from the same init (seed 0) on the same
-batches. `--data=text` trains on the config's text data (`--override=data.tokenizer=default`:
+each runs, in the order given, once it is compiled and the GPU is free, from the same init
+(seed 0) on the same batches. `--data=text` trains on the config's text data (`--override=data.tokenizer=default`:
 the committed Shakespeare with our 8k BPE, no download; ids < 8k fit any vocab), so the
 losses of the first steps are a real loss curve; `--data=synthetic` uses random ids.
 The bf16 run at the longest seq_len is repeated on another data order (`noise_losses`): the
@@ -268,8 +268,9 @@ def main():
   import jax
   from infir2_jax import benchtools
   results = {**benchtools.run_info(sys.argv), "python": platform.python_version(),
-             "method": "variants compiled concurrently from abstract shapes, then run one at "
-                       "a time alone on the device; XLA_PYTHON_CLIENT_PREALLOCATE=false",
+             "method": "variants compiled concurrently from abstract shapes, each run alone on the "
+                       "device once compiled (ran_while_compiling lists the variants still "
+                       "compiling then); XLA_PYTHON_CLIENT_PREALLOCATE=false",
              "variants": []}
   if jax.default_backend() == "gpu":
     results["xla_bf16_gemm_tflops_8192"] = xla_bf16_gemm_tflops()
@@ -286,22 +287,22 @@ def main():
     log = open(os.path.join(sync_dir, f"log_{tag}"), "w+")
     procs[tag] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), log)
   t0 = time.perf_counter()
-  waiting = set(tags)
-  while waiting:  # all compiled (or failed) before any runs
-    waiting = {t for t in waiting if not os.path.exists(os.path.join(sync_dir, f"compiled_{t}"))
-               and procs[t][0].poll() is None}
-    if waiting and int(time.perf_counter() - t0) % 30 == 0:
-      print(f"{time.perf_counter() - t0:.0f} s: compiling {sorted(waiting)}", flush=True)
-      for t in sorted(waiting):  # what each is doing (its log's last line)
-        with open(os.path.join(sync_dir, f"log_{t}")) as f:
-          tail = f.read().strip().splitlines()[-1:]
-        print(f"  {t}: {tail[0][:200] if tail else ''}", flush=True)
-    time.sleep(1)
-  results["all_compiled_s"] = time.perf_counter() - t0
-  print(f"all variants compiled in {results['all_compiled_s']:.0f} s", flush=True)
+  compiled = lambda t: os.path.exists(os.path.join(sync_dir, f"compiled_{t}"))
   rows = []
   for tag in tags:
     label, seq_len = tag.rsplit(":", 1)
+    # Runs as soon as it is compiled and the GPU is free: a slow compile (minutes, for FP8
+    # graphs of unrolled layers) never costs the other variants their results.
+    last_print = 0.0
+    while not compiled(tag) and procs[tag][0].poll() is None:
+      if time.perf_counter() - last_print > 30:
+        last_print = time.perf_counter()
+        with open(os.path.join(sync_dir, f"log_{tag}")) as f:
+          tail = f.read().strip().splitlines()[-1:]
+        print(f"{time.perf_counter() - t0:.0f} s: {tag} compiling {tail[0][:160] if tail else ''}",
+              flush=True)
+      time.sleep(1)
+    still_compiling = [t for t in tags if not compiled(t) and procs[t][0].poll() is None]
     open(os.path.join(sync_dir, f"go_{tag}"), "w").close()
     proc, log = procs[tag]
     proc.wait()
@@ -315,6 +316,7 @@ def main():
                                   "seq_len": int(seq_len), "error": err[-800:]})
     else:
       r = json.loads(lines[-1][len("RESULT "):])
+      r["ran_while_compiling"] = still_compiling  # CPU/GPU-autotune contention, if any
       gemm = results.get("xla_bf16_gemm_tflops_8192")
       if gemm:
         r["mfu_vs_measured_bf16_gemm"] = r["model_tflops_per_s"] / gemm

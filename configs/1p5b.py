@@ -25,6 +25,7 @@ def get_config(variant: str | None = None):
   config.model.tie_embeddings = True
   config.model.attention = "auto"      # cuDNN flash attention on GPU
   config.model.remat = "save_dots"
+  config.model.scan_layers = True      # one compiled layer: FP8 step compiles ~10x faster
 
   config.data.tokenizer = "qwen2.5"
   config.precision.recipe = "infir2"

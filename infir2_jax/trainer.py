@@ -1,5 +1,6 @@
 """The training loop: build everything from a TrainConfig, resume, step, evaluate, save."""
 
+import dataclasses
 import json
 import math
 import os
@@ -27,8 +28,13 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def build_model(cfg: TrainConfig, telemetry: bool = False) -> Qwen2:
-  """The model with the precision recipe injected at its one point (the dot_general factory)."""
-  return Qwen2(cfg.model, make_dot_general_factory(cfg.precision, telemetry=telemetry))
+  """The model with the precision recipe injected at its one point (the dot_general factory).
+
+  The telemetry model is unrolled (its per-layer sinks are per-layer modules); the params are
+  the same tree either way.
+  """
+  model_cfg = dataclasses.replace(cfg.model, scan_layers=False) if telemetry else cfg.model
+  return Qwen2(model_cfg, make_dot_general_factory(cfg.precision, telemetry=telemetry))
 
 
 def init_params_fn(model: Qwen2, cfg: TrainConfig):

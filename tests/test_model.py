@@ -124,3 +124,37 @@ def test_bad_model_config_is_a_clear_error():
     ModelConfig(num_heads=4, num_kv_heads=3)
   with pytest.raises(ValueError, match="remat"):
     ModelConfig(remat="sometimes")
+
+
+@pytest.mark.parametrize("remat", ["none", "save_dots", "full"])
+def test_scan_layers_gives_the_unrolled_logits_and_gradients(remat):
+  """One lax.scan over stacked layer params computes what the unrolled layers compute."""
+  tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, TINY.vocab_size)
+  unrolled, params = init(dataclasses.replace(TINY, remat=remat))
+  scanned = Qwen2(dataclasses.replace(TINY, remat=remat, scan_layers=True))
+  assert jax.tree.structure(params) == jax.tree.structure(
+      nn.unbox(scanned.init(jax.random.key(0), tokens)["params"]))  # same checkpoints
+  np.testing.assert_allclose(scanned.apply({"params": params}, tokens),
+                             unrolled.apply({"params": params}, tokens), rtol=1e-5, atol=1e-5)
+  loss = lambda m: lambda p: jnp.mean(m.apply({"params": p}, tokens) ** 2)
+  for a, b in zip(jax.tree.leaves(jax.grad(loss(unrolled))(params)),
+                  jax.tree.leaves(jax.grad(loss(scanned))(params))):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
+  hlo = jax.jit(jax.grad(loss(scanned))).lower(params).as_text()
+  assert "stablehlo.while" in hlo
+
+
+def test_scan_layers_runs_fp8_recipes_and_refuses_per_layer_precision():
+  from infir2_jax.precision import PrecisionConfig, make_dot_general_factory
+  tokens = jax.random.randint(jax.random.key(5), (2, 128), 0, TINY.vocab_size)
+  cfg = dataclasses.replace(TINY, hidden_size=128, intermediate_size=256, head_dim=32)
+  factory = make_dot_general_factory(PrecisionConfig(recipe="infir2", backend="xla"))
+  unrolled, params = init(cfg, factory)
+  scanned = Qwen2(dataclasses.replace(cfg, scan_layers=True), factory)
+  np.testing.assert_allclose(scanned.apply({"params": params}, tokens),
+                             unrolled.apply({"params": params}, tokens), rtol=1e-4, atol=1e-4)
+  per_layer = make_dot_general_factory(
+      PrecisionConfig(recipe="infir2", backend="xla", overrides=("layers_0/=bf16",)))
+  with pytest.raises(ValueError, match="scan_layers.*layers.*self_attn/q_proj"):
+    Qwen2(dataclasses.replace(cfg, scan_layers=True), per_layer).apply({"params": params},
+                                                                        tokens)

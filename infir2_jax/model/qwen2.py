@@ -74,12 +74,15 @@ class Qwen2(nn.Module):
     x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
     x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "act_embed"))
 
-    layer_cls = DecoderLayer
-    if cfg.remat != "none":
-      layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=True)
-    for i in range(cfg.num_layers):
-      x_BxLxD = layer_cls(cfg, self.dot_general_factory, name=f"layers_{i}")(
-          x_BxLxD, positions_BxL, segment_ids_BxL)
+    if cfg.scan_layers and not self.is_initializing():
+      x_BxLxD = self._scanned_layers(x_BxLxD, positions_BxL, segment_ids_BxL)
+    else:
+      layer_cls = DecoderLayer
+      if cfg.remat != "none":
+        layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=True)
+      for i in range(cfg.num_layers):
+        x_BxLxD = layer_cls(cfg, self.dot_general_factory, name=f"layers_{i}")(
+            x_BxLxD, positions_BxL, segment_ids_BxL)
     x_BxLxD = RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name="norm")(x_BxLxD)
     if return_hidden:
       return x_BxLxD
@@ -92,6 +95,43 @@ class Qwen2(nn.Module):
     head = Linear(cfg.vocab_size, ("embed", "vocab"), False, dtype, param_dtype,
                   cfg.init_std, self._f32_factory(), name="lm_head")
     return head(x_BxLxD)
+
+  def _scanned_layers(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+    """The layers as one lax.scan over their params, stacked on a leading axis per step."""
+    cfg = self.config
+    params = self.variables["params"]
+    names = [f"layers_{i}" for i in range(cfg.num_layers)]
+    missing = [n for n in names if n not in params]
+    if missing:
+      raise ValueError(f"model.scan_layers: params {missing[:3]} missing")
+    # Layers use every param as p.astype(dtype) (Linear, RMSNorm, bias), so stacking the
+    # compute-dtype copies is the same computation, gradients included, at half the bytes.
+    dtype = jnp.dtype(cfg.dtype)
+    stacked = jax.tree.map(lambda *xs: jnp.stack([x.astype(dtype) for x in xs]),
+                           *(params[n] for n in names))
+    layer = DecoderLayer(cfg, self._uniform_factory(names), parent=None)
+
+    def body(x, layer_params):
+      return layer.apply({"params": layer_params}, x, positions_BxL, segment_ids_BxL), None
+
+    if cfg.remat != "none":
+      body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat])
+    x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked)
+    return x_BxLxD
+
+  def _uniform_factory(self, layer_names):
+    """A factory for the scanned layer: every layer's projection must get the same one."""
+    factory = self.dot_general_factory
+
+    def make(path):
+      made = [factory(f"{name}/{path}") for name in layer_names]
+      if any(m is not made[0] for m in made[1:]):
+        raise ValueError(
+            f"model.scan_layers=True runs one layer body for all layers, but the precision "
+            f"differs between layers at '{path}' (per-layer precision.overrides or "
+            "telemetry); set model.scan_layers=False")
+      return made[0]
+    return make
 
   def _f32_factory(self):
     """Wraps the factory so the untied LM head also returns float32 logits."""

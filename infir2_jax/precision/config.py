@@ -34,7 +34,8 @@ class PrecisionConfig:
     recipe: named recipe for every projection (see recipes.recipe_names()).
     overrides: "REGEX=RECIPE" entries, matched with re.search against the projection path
       ("layers_0/self_attn/q_proj", "layers_3/mlp/down_proj", "lm_head"); the first match
-      wins, e.g. ("layers_(0|27)/=bf16",) keeps the first and last of 28 layers in BF16.
+      wins, e.g. ("layers_(0|27)/=bf16",) keeps the first and last of 28 layers in BF16
+      (with model.scan_layers=False: a scanned model needs one recipe for all layers).
     backend: "auto" (Pallas kernels on Hopper when available and the shapes fit, else XLA),
       "xla", or "pallas" (error when the kernels are unusable).
     telemetry_every_steps: collect FP8 numerics telemetry every N steps; 0 = off.
