@@ -323,6 +323,7 @@ def main(argv=None) -> int:
   if args.tiny:
     args.seq_len, args.batch_size, args.aot_batch_size = 128, 4, 8
     os.environ.update(child_env(True))  # before this process imports jax (in-process runs)
+  from infir2_jax import benchtools  # imports jax; run_info(with_device=False) starts no backend
   results = []
   common = {"tiny": args.tiny, "seq_len": args.seq_len,
             "in_process": args.tiny and not args.children}
@@ -342,7 +343,9 @@ def main(argv=None) -> int:
   print_table(results)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
-    json.dump({"args": vars(args), "results": results}, f, indent=1)
+    json.dump({**benchtools.run_info(sys.argv if argv is None else ["sharding_gpu.py", *argv],
+                                     with_device=False),
+               "args": vars(args), "results": results}, f, indent=1)
   print(f"wrote {args.out}")
   return 1 if any("error" in r for r in results) else 0
 

@@ -39,14 +39,18 @@ def device_ms(fn, args, iters=20, warmup=2):
   return statistics.median(samples)
 
 
-def run_info(argv):
-  """Command, commit, device and versions for a results file."""
+def run_info(argv, with_device: bool = True):
+  """Command, commit, device and versions for a results file.
+
+  with_device=False leaves out what needs a JAX backend (for a parent process that must not
+  take GPU memory from its children).
+  """
   def git(*a):
     try:
       return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001
       return ""
-  dev = jax.devices()[0]
+  dev = jax.devices()[0] if with_device else None
   return {
       "command": " ".join([os.path.basename(sys.executable), *argv]),
       # a device machine gets a copy of the tree without .git: the caller passes the commit
@@ -54,7 +58,7 @@ def run_info(argv):
           "INFIR2_GIT_COMMIT", "(unknown: no git checkout here)"))(git("rev-parse", "HEAD")),
       "git_dirty": bool(git("status", "--porcelain")) if git("rev-parse", "HEAD") else
                    os.environ.get("INFIR2_GIT_DIRTY", "unknown"),
-      "device": getattr(dev, "device_kind", str(dev)),
+      "device": getattr(dev, "device_kind", str(dev)) if with_device else "see each result",
       "num_sms": getattr(dev, "core_count", None),
       "jax_version": jax.__version__,
       "timing": "median of device times (CUPTI kernel sum per call) unless 'timing_method' says host",
