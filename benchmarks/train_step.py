@@ -51,6 +51,10 @@ def _parse():
                  help="extra config overrides a.b=v (repeatable), e.g. model.remat=full")
   p.add_argument("--noise_run", type=int, default=1,
                  help="repeat bf16 at the longest seq_len on another data order (1/0)")
+  p.add_argument("--compile_wait_s", type=float, default=240,
+                 help="wait up to this long for all variants to compile before the first "
+                      "runs (runs then have the machine to themselves); later, each runs "
+                      "once compiled")
   p.add_argument("--out", default="")
   p.add_argument("--profile_dir", default="")
   p.add_argument("--child", default="", help=argparse.SUPPRESS)  # "recipe:seq_len"
@@ -288,6 +292,10 @@ def main():
     procs[tag] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), log)
   t0 = time.perf_counter()
   compiled = lambda t: os.path.exists(os.path.join(sync_dir, f"compiled_{t}"))
+  while (time.perf_counter() - t0 < args.compile_wait_s  # quiet runs, unless compiling drags
+         and any(not compiled(t) and procs[t][0].poll() is None for t in tags)):
+    time.sleep(1)
+  results["waited_for_compiles_s"] = time.perf_counter() - t0
   rows = []
   for tag in tags:
     label, seq_len = tag.rsplit(":", 1)
