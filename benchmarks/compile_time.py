@@ -63,6 +63,7 @@ def main():
   p.add_argument("--seq_len", type=int, default=1024)
   p.add_argument("--batch_size", type=int, default=1)
   p.add_argument("--override", action="append", default=[])
+  p.add_argument("--scan", default="False,True", help="scan_layers values to compile")
   p.add_argument("--out", default="")
   p.add_argument("--child", default="", help=argparse.SUPPRESS)
   args = p.parse_args()
@@ -73,7 +74,7 @@ def main():
   results = {**benchtools.run_info(sys.argv), "variants": []}
   print(f"{'recipe':16} {'scan':>5} {'lower s':>8} {'compile s':>9} {'temp GiB':>8}")
   for recipe in args.recipes.split(","):
-    for scan in (False, True):
+    for scan in (v.strip() == "True" for v in args.scan.split(",")):
       overrides = [f"precision.recipe={recipe}", f"model.scan_layers={scan}",
                    f"seq_len={args.seq_len}", f"batch_size={args.batch_size}", *args.override]
       proc = subprocess.run([sys.executable, __file__, "--config", args.config,
