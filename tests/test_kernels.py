@@ -252,3 +252,33 @@ def test_quantize_lowers_for_hopper(fn, kw):
   for shape in ((16384, 1536), (1000, 1544)):
     spec = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     assert "mosaic_gpu" in _lower_on_h100(lambda x: fn(x, **kw), spec).as_text()
+
+
+def _mosaic_calls_in_scanned_model_gradient(num_layers, monkeypatch):
+  import dataclasses
+  import re
+  import flax.linen as nn
+  from infir2_jax.model import ModelConfig, Qwen2
+  from infir2_jax.precision import PrecisionConfig, make_dot_general_factory
+  monkeypatch.setattr(kernels, "available", lambda: True)  # as on an H100
+  cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                    num_layers=num_layers, num_heads=2, num_kv_heads=1, head_dim=128,
+                    remat="save_dots", scan_layers=True)
+  model = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(recipe="infir2",
+                                                              backend="pallas")))
+  tokens = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+  params = jax.eval_shape(lambda: nn.unbox(Qwen2(dataclasses.replace(cfg, scan_layers=False))
+                                           .init(jax.random.key(0), jnp.zeros((2, 128), jnp.int32))
+                                           ["params"]))
+  grad = jax.grad(lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2))
+  text = _lower_on_h100(grad, params, tokens).as_text()
+  return len(re.findall(r"custom_call @mosaic_gpu", text)), "stablehlo.while" in text
+
+
+def test_scanned_fp8_model_gradient_lowers_for_hopper_with_one_layer_body(monkeypatch):
+  """model.scan_layers with the Pallas kernels: the kernels sit in one loop body, so the
+  number of Mosaic GPU calls (what the GPU compiles) does not grow with depth."""
+  two, loop = _mosaic_calls_in_scanned_model_gradient(2, monkeypatch)
+  four, _ = _mosaic_calls_in_scanned_model_gradient(4, monkeypatch)
+  assert loop
+  assert two == four >= 3 * 7  # at least fprop, dgrad and wgrad of the 7 projections
