@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,37 +21,18 @@ def main():
   p.add_argument("--override", action="append", default=[])
   p.add_argument("--out", default="")
   args = p.parse_args()
-  import flax.linen as nn
   import jax
-  import jax.numpy as jnp
-  from infir2_jax import sharding as sharding_lib
+  from infir2_jax.benchtools import compile_train_step
   from infir2_jax.config import load_config
-  from infir2_jax.optim import make_optimizer, make_schedule
-  from infir2_jax.train_step import make_train_step
-  from infir2_jax.trainer import build_model, init_params_fn
 
   cfg = load_config(args.config, [f"seq_len={args.seq_len}", f"batch_size={args.batch_size}",
                                   *args.override])
-  mesh = sharding_lib.make_mesh(cfg.mesh)
-  rules = sharding_lib.logical_rules(cfg.mesh, cfg.model, mesh)
-  model = build_model(cfg)
-  optimizer = make_optimizer(cfg.opt, cfg.steps)
-  state, shardings = sharding_lib.abstract_state(init_params_fn(model, cfg), optimizer, mesh,
-                                                 rules)
-  batch_sharding = sharding_lib.batch_sharding(mesh, rules)
-  shape = (cfg.batch_size, cfg.seq_len)
-  batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
-                                   sharding=batch_sharding)
-           for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")}
-  step = make_train_step(model, optimizer, make_schedule(cfg.opt, cfg.steps),
-                         cfg.grad_accum_steps)
-  t0 = time.perf_counter()
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
-  compile_s = time.perf_counter() - t0
+  step = compile_train_step(cfg)
+  compiled, mesh = step.compiled, step.mesh
+  compile_s = step.lower_s + step.compile_s
+  params = cfg.model.num_params()
   m = compiled.memory_analysis()
   gib = lambda n: n / 2**30
-  params = sum(x.size for x in jax.tree.leaves(state["params"]))
   result = {
       "config": args.config, "overrides": args.override, "seq_len": cfg.seq_len,
       "batch_size": cfg.batch_size, "recipe": cfg.precision.recipe, "remat": cfg.model.remat,

@@ -14,44 +14,19 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def compile_one(config: str, overrides: list[str]) -> dict:
-  import flax.linen as nn
   import jax
-  import numpy as np
-  from infir2_jax import sharding
+  from infir2_jax.benchtools import compile_train_step
   from infir2_jax.config import load_config
-  from infir2_jax.optim import make_optimizer, make_schedule
-  from infir2_jax.train_step import make_train_step
-  from infir2_jax.trainer import build_model, init_params_fn
 
-  cfg = load_config(config, ["mesh.data=1", *overrides])
-  mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  rules = sharding.logical_rules(cfg.mesh)
-  model = build_model(cfg)
-  optimizer = make_optimizer(cfg.opt, cfg.steps)
-  structs, _ = sharding.abstract_state(init_params_fn(model, cfg), optimizer, mesh, rules)
-  batch_sharding = sharding.batch_sharding(mesh)
-  shape = (cfg.batch_size, cfg.seq_len)
-  batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding) for k, dt in (
-      ("inputs", np.int32), ("targets", np.int32), ("segment_ids", np.int32),
-      ("positions", np.int32), ("loss_mask", np.float32))}
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    step = jax.jit(make_train_step(model, optimizer, make_schedule(cfg.opt, cfg.steps),
-                                   cfg.grad_accum_steps), donate_argnums=0)
-    t0 = time.perf_counter()
-    lowered = step.lower(structs, batch)
-    lower_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - t0
-  memory = compiled.memory_analysis()
-  return {"overrides": overrides, "lower_s": lower_s, "compile_s": compile_s,
-          "hlo_chars": len(compiled.as_text()),
+  step = compile_train_step(load_config(config, ["mesh.data=1", *overrides]), jax.devices()[:1])
+  memory = step.compiled.memory_analysis()
+  return {"overrides": overrides, "lower_s": step.lower_s, "compile_s": step.compile_s,
+          "hlo_chars": len(step.compiled.as_text()),
           "temp_gib": getattr(memory, "temp_size_in_bytes", 0) / 2**30,
           "argument_gib": getattr(memory, "argument_size_in_bytes", 0) / 2**30}
 

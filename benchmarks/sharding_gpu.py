@@ -50,15 +50,6 @@ def load_config(path: str, *, tiny: bool, recipe: str, seq_len: int, batch_size:
   return TrainConfig.from_config_dict(c)
 
 
-def synthetic_batch(rows: int, length: int, vocab: int, seed: int = 0):
-  import numpy as np
-  ids = np.random.default_rng(seed).integers(0, vocab, (rows, length + 1), dtype=np.int32)
-  return {"inputs": ids[:, :-1], "targets": ids[:, 1:],
-          "segment_ids": np.ones((rows, length), np.int32),
-          "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
-          "loss_mask": np.ones((rows, length), np.float32)}
-
-
 def _setup(cfg, devices):
   """mesh, rules, model, optimizer, init fn and FP8 alignment problems of a run."""
   from infir2_jax import sharding
@@ -102,7 +93,7 @@ def train_one(spec: dict) -> dict:
   """Trains spec["steps"] steps of one (recipe, mesh) in this process; returns its numbers."""
   import flax.linen as nn
   import jax
-  from infir2_jax import sharding
+  from infir2_jax import benchtools, sharding
   mesh_shape = tuple(spec["mesh"])
   cfg = load_config(spec["config"], tiny=spec["tiny"], recipe=spec["recipe"],
                     seq_len=spec["seq_len"], batch_size=spec["batch_size"], mesh=mesh_shape,
@@ -114,8 +105,9 @@ def train_one(spec: dict) -> dict:
   jax.block_until_ready(state)
   init_s = time.perf_counter() - t0
   batch_sharding = sharding.batch_sharding(mesh, rules)
-  batch = jax.device_put(synthetic_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size),
-                         batch_sharding)
+  batch = jax.device_put(
+      benchtools.synthetic_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size),
+      batch_sharding)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     t0 = time.perf_counter()
     compiled = _jit_step(cfg, mesh, rules, model, optimizer, shardings).lower(
@@ -161,7 +153,7 @@ def aot_one(spec: dict) -> dict:
   """Compiles the train step for spec["devices"] GPUs ahead of time; memory per device."""
   import flax.linen as nn
   import jax
-  from infir2_jax import sharding
+  from infir2_jax import benchtools, sharding
   mesh_shape = tuple(spec["mesh"])
   cfg = load_config(spec["config"], tiny=spec["tiny"], recipe=spec["recipe"],
                     seq_len=spec["seq_len"], batch_size=spec["batch_size"], mesh=mesh_shape)
@@ -173,9 +165,7 @@ def aot_one(spec: dict) -> dict:
   mesh, rules, model, optimizer, init, problems = _setup(cfg, devices)
   structs, shardings = sharding.abstract_state(init, optimizer, mesh, rules)
   batch_sharding = sharding.batch_sharding(mesh, rules)
-  batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), v.dtype,
-                                   sharding=batch_sharding)
-           for k, v in synthetic_batch(1, 2, 2).items()}
+  batch = benchtools.abstract_batch(cfg.batch_size, cfg.seq_len, batch_sharding)
   t0 = time.perf_counter()
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     compiled = _jit_step(cfg, mesh, rules, model, optimizer, shardings).lower(

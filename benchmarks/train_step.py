@@ -65,18 +65,10 @@ def _parse():
 def _batches(cfg, count: int, shuffle_seed: int, data: str):
   """`count` host batches: the config's text pipeline, or random ids."""
   import dataclasses
-  import numpy as np
-  shape = (cfg.batch_size, cfg.seq_len)
   if data == "synthetic":
-    rng = np.random.default_rng(shuffle_seed)
-    out = []
-    for _ in range(count):
-      ids = rng.integers(0, cfg.model.vocab_size, (shape[0], shape[1] + 1), dtype=np.int32)
-      out.append({"inputs": ids[:, :-1], "targets": ids[:, 1:],
-                  "segment_ids": np.ones(shape, np.int32),
-                  "positions": np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape).copy(),
-                  "loss_mask": np.ones(shape, np.float32)})
-    return out
+    from infir2_jax.benchtools import synthetic_batch
+    return [synthetic_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size,
+                            seed=shuffle_seed * count + i) for i in range(count)]
   from infir2_jax.data import make_data
   data_cfg = dataclasses.replace(cfg.data, shuffle_seed=shuffle_seed, prefetch=0)
   pipeline = make_data(data_cfg, seq_len=cfg.seq_len, global_batch_size=cfg.batch_size,
@@ -88,12 +80,9 @@ def _batches(cfg, count: int, shuffle_seed: int, data: str):
   return [next(it) for _ in range(count)]
 
 
-def _wait_for(path: str, proc_alive=lambda: True, poll_s: float = 0.2) -> bool:
+def _wait_for(path: str, poll_s: float = 0.2) -> None:
   while not os.path.exists(path):
-    if not proc_alive():
-      return False
     time.sleep(poll_s)
-  return True
 
 
 def split_label(label: str) -> tuple[str, list[str]]:
@@ -104,15 +93,12 @@ def split_label(label: str) -> tuple[str, list[str]]:
 
 def run_one(args, label: str, seq_len: int) -> dict:
   """Compiles one train step variant from abstract shapes, waits for its turn, times it."""
-  import flax.linen as nn
   import jax
   import numpy as np
   from infir2_jax import sharding as sharding_lib
+  from infir2_jax.benchtools import compile_train_step
   from infir2_jax.config import load_config
-  from infir2_jax.optim import make_optimizer, make_schedule
   from infir2_jax.precision import hlo_fp8_gemm_count
-  from infir2_jax.train_step import make_train_step
-  from infir2_jax.trainer import build_model, init_params_fn
 
   batch_size = max(args.tokens_per_step // seq_len, 1)
   recipe, label_overrides = split_label(label)
@@ -120,23 +106,10 @@ def run_one(args, label: str, seq_len: int) -> dict:
                "mesh.data=1", *args.override, *label_overrides]
   cfg = load_config(args.config, overrides)
   device = jax.devices()[0]
-  mesh = sharding_lib.make_mesh(cfg.mesh, [device])
-  rules = sharding_lib.logical_rules(cfg.mesh)
-  model = build_model(cfg)
-  optimizer = make_optimizer(cfg.opt, cfg.steps)
-  init_fn = init_params_fn(model, cfg)
-  structs, _ = sharding_lib.abstract_state(init_fn, optimizer, mesh, rules)
-  batch_sharding = sharding_lib.batch_sharding(mesh)
-  shape = (batch_size, seq_len)
-  batch_structs = {k: jax.ShapeDtypeStruct(shape, dt, sharding=batch_sharding) for k, dt in (
-      ("inputs", np.int32), ("targets", np.int32), ("segment_ids", np.int32),
-      ("positions", np.int32), ("loss_mask", np.float32))}
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    step = jax.jit(make_train_step(model, optimizer, make_schedule(cfg.opt, cfg.steps),
-                                   cfg.grad_accum_steps), donate_argnums=0)
-    t0 = time.perf_counter()
-    compiled = step.lower(structs, batch_structs).compile()
-    compile_s = time.perf_counter() - t0
+  step = compile_train_step(cfg, [device])
+  compiled, compile_s = step.compiled, step.lower_s + step.compile_s
+  mesh, rules, batch_sharding = step.mesh, step.rules, step.batch_sharding
+  init_fn, optimizer = step.init_fn, step.optimizer
   hlo_counts = hlo_fp8_gemm_count(compiled.as_text())
   memory = compiled.memory_analysis()
   total_steps = WARMUP_STEPS + args.steps

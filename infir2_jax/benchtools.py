@@ -1,11 +1,15 @@
-"""Benchmark helpers: device timing of a jitted function, and the metadata a results file records."""
+"""Benchmark helpers: device timing, batches and an ahead-of-time compiled train step, and
+the metadata a results file records."""
+import dataclasses
 import os
 import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import jax
+import numpy as np
 
 _TIMING = {"method": None}
 
@@ -39,6 +43,67 @@ def device_ms(fn, args, iters=20, warmup=2):
   return statistics.median(samples)
 
 
+BATCH_DTYPES = (("inputs", np.int32), ("targets", np.int32), ("segment_ids", np.int32),
+                ("positions", np.int32), ("loss_mask", np.float32))
+
+
+def abstract_batch(rows: int, length: int, sharding=None) -> dict[str, jax.ShapeDtypeStruct]:
+  """The train step's batch as ShapeDtypeStructs, for compiling without data."""
+  return {k: jax.ShapeDtypeStruct((rows, length), dtype, sharding=sharding)
+          for k, dtype in BATCH_DTYPES}
+
+
+def synthetic_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
+  """A host batch of random token ids: one unpacked document per row, every token counted."""
+  ids = np.random.default_rng(seed).integers(0, vocab, (rows, length + 1), dtype=np.int32)
+  return {"inputs": ids[:, :-1], "targets": ids[:, 1:],
+          "segment_ids": np.ones((rows, length), np.int32),
+          "positions": np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
+          "loss_mask": np.ones((rows, length), np.float32)}
+
+
+@dataclasses.dataclass
+class CompiledStep:
+  """A train step compiled ahead of time, and what running it needs."""
+  compiled: Any            # jax.stages.Compiled: (state, batch) -> (state, metrics)
+  lower_s: float
+  compile_s: float
+  mesh: Any
+  rules: Any
+  init_fn: Any             # rng -> boxed params
+  optimizer: Any
+  batch_sharding: Any
+
+
+def compile_train_step(cfg, devices=None) -> CompiledStep:
+  """cfg's train step, lowered and compiled from abstract shapes (no device memory used)."""
+  import flax.linen as nn
+  from infir2_jax import sharding
+  from infir2_jax.optim import make_optimizer, make_schedule
+  from infir2_jax.train_step import make_train_step
+  from infir2_jax.trainer import build_model, init_params_fn
+
+  mesh = sharding.make_mesh(cfg.mesh, devices)
+  rules = sharding.logical_rules(cfg.mesh, cfg.model, mesh)
+  model = build_model(cfg)
+  optimizer = make_optimizer(cfg.opt, cfg.steps)
+  init_fn = init_params_fn(model, cfg)
+  structs, _ = sharding.abstract_state(init_fn, optimizer, mesh, rules)
+  batch_sharding = sharding.batch_sharding(mesh, rules)
+  batch = abstract_batch(cfg.batch_size, cfg.seq_len, batch_sharding)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    step = jax.jit(make_train_step(model, optimizer, make_schedule(cfg.opt, cfg.steps),
+                                   cfg.grad_accum_steps), donate_argnums=0)
+    t0 = time.perf_counter()
+    lowered = step.lower(structs, batch)
+    lower_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - t0
+  return CompiledStep(compiled, lower_s, compile_s, mesh, rules, init_fn, optimizer,
+                      batch_sharding)
+
+
 def run_info(argv, with_device: bool = True):
   """Command, commit, device and versions for a results file.
 
@@ -51,13 +116,15 @@ def run_info(argv, with_device: bool = True):
     except Exception:  # noqa: BLE001
       return ""
   dev = jax.devices()[0] if with_device else None
+  head = git("rev-parse", "HEAD")
+  in_checkout = len(head) == 40
   return {
       "command": " ".join([os.path.basename(sys.executable), *argv]),
       # a device machine gets a copy of the tree without .git: the caller passes the commit
-      "git_commit": (lambda h: h if len(h) == 40 else os.environ.get(
-          "INFIR2_GIT_COMMIT", "(unknown: no git checkout here)"))(git("rev-parse", "HEAD")),
-      "git_dirty": bool(git("status", "--porcelain")) if git("rev-parse", "HEAD") else
-                   os.environ.get("INFIR2_GIT_DIRTY", "unknown"),
+      "git_commit": head if in_checkout else os.environ.get(
+          "INFIR2_GIT_COMMIT", "(unknown: no git checkout here)"),
+      "git_dirty": (bool(git("status", "--porcelain")) if in_checkout
+                    else os.environ.get("INFIR2_GIT_DIRTY", "unknown")),
       "device": getattr(dev, "device_kind", str(dev)) if with_device else "see each result",
       "num_sms": getattr(dev, "core_count", None),
       "jax_version": jax.__version__,
