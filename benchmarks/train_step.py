@@ -5,10 +5,11 @@
       --data=text --override=data.tokenizer=default --override=steps=50 \
       --override=opt.warmup_steps=10 --steps=48 --out=benchmarks/results/train_step_h200.json
 
-Each (recipe, seq_len) runs in its own subprocess (so peak memory is its own). All of them
-compile at once, from abstract shapes (no device memory, the CPU cores busy in parallel);
-each runs, in the order given, once it is compiled and the GPU is free, from the same init
-(seed 0) on the same batches. `--data=text` trains on the config's text data (`--override=data.tokenizer=default`:
+Each (recipe, seq_len) runs in its own subprocess (so peak memory is its own), one after the
+other: compile (the GPU compiler autotunes on the device, so concurrent compiles would contend
+for its memory and its timings), then train, from the same init (seed 0) on the same batches.
+A variant that runs past `--variant_timeout_s` is killed and recorded, and the others still
+run. `--data=text` trains on the config's text data (`--override=data.tokenizer=default`:
 the committed Shakespeare with our 8k BPE, no download; ids < 8k fit any vocab), so the
 losses of the first steps are a real loss curve; `--data=synthetic` uses random ids.
 The bf16 run at the longest seq_len is repeated on another data order (`noise_losses`): the
@@ -51,14 +52,13 @@ def _parse():
                  help="extra config overrides a.b=v (repeatable), e.g. model.remat=full")
   p.add_argument("--noise_run", type=int, default=1,
                  help="repeat bf16 at the longest seq_len on another data order (1/0)")
-  p.add_argument("--compile_wait_s", type=float, default=240,
-                 help="wait up to this long for all variants to compile before the first "
-                      "runs (runs then have the machine to themselves); later, each runs "
-                      "once compiled")
+  p.add_argument("--variant_timeout_s", type=float, default=300,
+                 help="kill a variant (compile + run) that takes longer than this")
+  p.add_argument("--deadline_s", type=float, default=0,
+                 help="start no variant after this many seconds (0: no limit)")
   p.add_argument("--out", default="")
   p.add_argument("--profile_dir", default="")
   p.add_argument("--child", default="", help=argparse.SUPPRESS)  # "recipe:seq_len"
-  p.add_argument("--sync_dir", default="", help=argparse.SUPPRESS)
   return p.parse_args()
 
 
@@ -80,11 +80,6 @@ def _batches(cfg, count: int, shuffle_seed: int, data: str):
   return [next(it) for _ in range(count)]
 
 
-def _wait_for(path: str, poll_s: float = 0.2) -> None:
-  while not os.path.exists(path):
-    time.sleep(poll_s)
-
-
 def split_label(label: str) -> tuple[str, list[str]]:
   """"infir2~precision.backend=xla" -> ("infir2", ["precision.backend=xla"])."""
   recipe, *overrides = label.split("~")
@@ -92,7 +87,7 @@ def split_label(label: str) -> tuple[str, list[str]]:
 
 
 def run_one(args, label: str, seq_len: int) -> dict:
-  """Compiles one train step variant from abstract shapes, waits for its turn, times it."""
+  """Compiles one train step variant from abstract shapes, then times it."""
   import jax
   import numpy as np
   from infir2_jax import sharding as sharding_lib
@@ -117,11 +112,7 @@ def run_one(args, label: str, seq_len: int) -> dict:
   noise = (args.noise_run and label == "bf16"
            and seq_len == max(int(s) for s in args.seq_lens.split(",")))
   noise_batches = _batches(cfg, total_steps, 1, args.data) if noise else None
-  tag = f"{label}:{seq_len}"
-  if args.sync_dir:  # compiled: wait for this variant's turn on the GPU
-    open(os.path.join(args.sync_dir, f"compiled_{tag}"), "w").close()
-    _wait_for(os.path.join(args.sync_dir, f"go_{tag}"))
-
+  print(f"COMPILED in {compile_s:.1f} s", flush=True)
   def train(batches):
     t0 = time.perf_counter()
     state, _ = sharding_lib.sharded_init(init_fn, optimizer, mesh, rules, jax.random.key(0))
@@ -239,65 +230,54 @@ def main():
     label, seq_len = args.child.rsplit(":", 1)
     print("RESULT " + json.dumps(run_one(args, label, int(seq_len))), flush=True)
     return
-  # children share the GPU while compiling: no process may take 75% of it up front
-  os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  # before jax starts: the parent must not hold 75% of the GPU while the children run
+  os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # (and a child's peak is its own)
   import tempfile
   import jax
   from infir2_jax import benchtools
   results = {**benchtools.run_info(sys.argv), "python": platform.python_version(),
-             "method": "variants compiled concurrently from abstract shapes, each run alone on the "
-                       "device once compiled (ran_while_compiling lists the variants still "
-                       "compiling then); XLA_PYTHON_CLIENT_PREALLOCATE=false",
+             "method": "one subprocess per variant, one at a time (compile, then train); "
+                       "XLA_PYTHON_CLIENT_PREALLOCATE=false",
              "variants": []}
-  if jax.default_backend() == "gpu":
+  if jax.default_backend() == "gpu":  # before any child, on an idle GPU
     results["xla_bf16_gemm_tflops_8192"] = xla_bf16_gemm_tflops()
-  sync_dir = tempfile.mkdtemp(prefix="train_step_sync_")
+  log_dir = tempfile.mkdtemp(prefix="train_step_logs_")
   tags = [f"{label.split('@')[0]}:{seq_len}"
           for seq_len in (int(s) for s in args.seq_lens.split(","))
           for label in args.recipes.split(",")
           if "@" not in label or int(label.split("@")[1]) == seq_len]
-  procs = {}
-  for tag in tags:
-    cmd = [sys.executable, __file__, "--child", tag, "--sync_dir", sync_dir] + [
-        a for a in sys.argv[1:] if not a.startswith("--out")]
-    # to files, not pipes: a child blocked on a full pipe would never finish compiling
-    log = open(os.path.join(sync_dir, f"log_{tag}"), "w+")
-    procs[tag] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), log)
-  t0 = time.perf_counter()
-  compiled = lambda t: os.path.exists(os.path.join(sync_dir, f"compiled_{t}"))
-  while (time.perf_counter() - t0 < args.compile_wait_s  # quiet runs, unless compiling drags
-         and any(not compiled(t) and procs[t][0].poll() is None for t in tags)):
-    time.sleep(1)
-  results["waited_for_compiles_s"] = time.perf_counter() - t0
+  t_start = time.perf_counter()
   rows = []
   for tag in tags:
     label, seq_len = tag.rsplit(":", 1)
-    # Runs as soon as it is compiled and the GPU is free: a slow compile (minutes, for FP8
-    # graphs of unrolled layers) never costs the other variants their results.
-    last_print = 0.0
-    while not compiled(tag) and procs[tag][0].poll() is None:
-      if time.perf_counter() - last_print > 30:
-        last_print = time.perf_counter()
-        with open(os.path.join(sync_dir, f"log_{tag}")) as f:
-          tail = f.read().strip().splitlines()[-1:]
-        print(f"{time.perf_counter() - t0:.0f} s: {tag} compiling {tail[0][:160] if tail else ''}",
-              flush=True)
-      time.sleep(1)
-    still_compiling = [t for t in tags if not compiled(t) and procs[t][0].poll() is None]
-    open(os.path.join(sync_dir, f"go_{tag}"), "w").close()
-    proc, log = procs[tag]
-    proc.wait()
-    log.seek(0)
-    stdout = log.read()
+    if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
+      results["variants"].append({"recipe": split_label(label)[0], "label": label,
+                                  "seq_len": int(seq_len), "error": "skipped: --deadline_s"})
+      continue
+    cmd = [sys.executable, __file__, "--child", tag] + [
+        a for a in sys.argv[1:] if not a.startswith("--out")]
+    with open(os.path.join(log_dir, f"log_{tag}"), "w+") as log:  # a file: pipes can block
+      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+      t0 = time.perf_counter()
+      while proc.poll() is None and time.perf_counter() - t0 < args.variant_timeout_s:
+        time.sleep(1)
+      timed_out = proc.poll() is None
+      if timed_out:
+        proc.kill()
+        proc.wait()
+      log.seek(0)
+      stdout = log.read()
     lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode or not lines:
-      err = stdout[-3000:]
+    if timed_out or proc.returncode or not lines:
+      phase = "running" if "COMPILED in" in stdout else "compiling"
+      err = (f"timed out after {args.variant_timeout_s:.0f} s, {phase}\n" if timed_out
+             else "") + stdout[-3000:]
       print(f"{tag} FAILED:\n{err}", file=sys.stderr, flush=True)
       results["variants"].append({"recipe": split_label(label)[0], "label": label,
                                   "seq_len": int(seq_len), "error": err[-800:]})
     else:
       r = json.loads(lines[-1][len("RESULT "):])
-      r["ran_while_compiling"] = still_compiling  # CPU/GPU-autotune contention, if any
+      r["wall_s"] = time.perf_counter() - t0
       gemm = results.get("xla_bf16_gemm_tflops_8192")
       if gemm:
         r["mfu_vs_measured_bf16_gemm"] = r["model_tflops_per_s"] / gemm

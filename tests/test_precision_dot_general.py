@@ -289,3 +289,48 @@ def test_pallas_backend_matches_xla_on_gpu(recipe):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert _cos(a, b) > 0.99999, (recipe, name, _cos(a, b))
     np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-3 * np.abs(b).max(), err_msg=name)
+
+
+def test_bf16_dot_with_f32_result_runs_its_backward_in_bf16(monkeypatch):
+  """LM head: bf16 x bf16 -> f32 logits; dgrad and wgrad must be bf16 GEMMs, not TF32."""
+  from infir2_jax.precision import gemm
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((4, 32, 64)), jnp.bfloat16)
+  table = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
+  dn = (((2,), (1,)), ((), ()))
+  g = jnp.asarray(rng.standard_normal((4, 32, 96)), jnp.float32)
+
+  def loss(x, table):
+    y = bf16_dot_general(x, table, dn, preferred_element_type=jnp.float32)
+    assert y.dtype == jnp.float32
+    return jnp.sum(y * g)
+
+  monkeypatch.setattr(gemm.jax, "default_backend", lambda: "gpu")  # no CPU f32 upcast
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, table)
+  dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+  assert len(dots) >= 3  # forward, dgrad, wgrad
+  assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars), dots
+  monkeypatch.undo()
+
+  dx, dtable = jax.grad(loss, argnums=(0, 1))(x, table)
+  g16 = np.asarray(g.astype(jnp.bfloat16), np.float64)
+  x64, t64 = np.asarray(x, np.float64), np.asarray(table, np.float64)
+  want_dx = np.einsum("blv,vd->bld", g16, t64)
+  want_dt = np.einsum("blv,bld->vd", g16, x64)
+  for got, want in ((dx, want_dx), (dtable, want_dt)):
+    assert got.dtype == jnp.bfloat16
+    err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+    assert err < 4e-3, err  # bf16 rounding of the result only
+  y = bf16_dot_general(x, table, dn, preferred_element_type=jnp.float32)
+  np.testing.assert_allclose(np.asarray(y), np.einsum("bld,vd->blv", x64, t64), rtol=1e-5,
+                             atol=1e-4)
+
+
+def _all_eqns(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for sub in (p if isinstance(p, (list, tuple)) else [p]):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _all_eqns(inner)

@@ -19,6 +19,7 @@ Execution paths, chosen per call from the operands' tiles and `backend`:
 Unquantized operands (OperandSpec.fmt None) enter path 3 as they are.
 """
 
+import functools
 import importlib
 import warnings
 
@@ -69,9 +70,23 @@ def pallas_kernels(backend: str):
 def bf16_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
   """lax.dot_general for the BF16 GEMMs (the `bf16` recipe, the LM head).
 
-  On CPU, bf16 operands are upcast and multiplied as f32: products of bf16 values are exact
-  in f32 and the sum is f32, which is what a GPU tensor core computes for a bf16 GEMM, while
-  XLA:CPU's native bf16 dot runs ~6x slower. Elsewhere this is lax.dot_general itself.
+  A wider result than the operands (bf16 x bf16 -> f32 logits) keeps its backward GEMMs in
+  the operands' dtype: the f32 cotangent is rounded to bf16 first, as Megatron's bf16 output
+  layer does. Plain autodiff would feed the f32 cotangent to dgrad and wgrad and so run them
+  as f32 (TF32) GEMMs, at half the bf16 rate (the LM head is ~1/5 of a 1.5B model's FLOPs).
+  """
+  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+  if (lhs.dtype == rhs.dtype and jnp.issubdtype(lhs.dtype, jnp.floating)
+      and out_dtype.itemsize > lhs.dtype.itemsize):
+    return _narrow_backward_dot(lhs, rhs, _hashable(dimension_numbers), precision, out_dtype)
+  return _bf16_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+
+
+def _bf16_dot(lhs, rhs, dimension_numbers, precision, preferred_element_type):
+  """lax.dot_general; on CPU, bf16 operands are upcast and multiplied as f32.
+
+  Products of bf16 values are exact in f32 and the sum is f32, which is what a GPU tensor core
+  computes for a bf16 GEMM, while XLA:CPU's native bf16 dot runs ~6x slower.
   """
   if jax.default_backend() != "cpu" or jnp.bfloat16 not in (lhs.dtype, rhs.dtype):
     return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
@@ -80,6 +95,29 @@ def bf16_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_elem
   y = lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32), dimension_numbers,
                       precision=precision, preferred_element_type=jnp.float32)
   return y.astype(out_dtype)
+
+
+def _hashable(dimension_numbers):
+  return tuple(tuple(tuple(int(d) for d in dims) for dims in pair) for pair in dimension_numbers)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _narrow_backward_dot(lhs, rhs, dimension_numbers, precision, out_dtype):
+  return _bf16_dot(lhs, rhs, dimension_numbers, precision, out_dtype)
+
+
+def _narrow_backward_dot_fwd(lhs, rhs, dimension_numbers, precision, out_dtype):
+  return _bf16_dot(lhs, rhs, dimension_numbers, precision, out_dtype), (lhs, rhs)
+
+
+def _narrow_backward_dot_bwd(dimension_numbers, precision, out_dtype, residuals, g):
+  lhs, rhs = residuals
+  _, vjp = jax.vjp(lambda a, b: _bf16_dot(a, b, dimension_numbers, precision, lhs.dtype),
+                   lhs, rhs)
+  return vjp(g.astype(lhs.dtype))
+
+
+_narrow_backward_dot.defvjp(_narrow_backward_dot_fwd, _narrow_backward_dot_bwd)
 
 
 def _is_block_scaled(a: QTensor, b: QTensor) -> bool:
@@ -117,7 +155,7 @@ def _dequantized(a: Operand, b: Operand, out_dtype) -> jax.Array:
     dtype = jnp.result_type(a.dtype, b.dtype)
     a, b = a.astype(dtype), b.astype(dtype)
     precision = None
-  y_MxN = bf16_dot_general(a, b, _NT, precision=precision, preferred_element_type=jnp.float32)
+  y_MxN = _bf16_dot(a, b, _NT, precision, jnp.float32)  # inside the FP8 custom_vjp: no autodiff
   return y_MxN.astype(out_dtype)
 
 
