@@ -217,8 +217,11 @@ def run_child(kind: str, spec: dict, **env) -> dict:
   return _child_result(kind, spec, _start_child(kind, spec, **env))
 
 
-def run_train_specs(specs: list[dict]) -> list[dict]:
-  """Single-GPU runs side by side, one per GPU (compiling is the slow part); the rest in turn."""
+def run_train_specs(specs: list[dict], on_result=lambda r: None) -> list[dict]:
+  """Single-GPU runs side by side, one per GPU (compiling is the slow part); the rest in turn.
+
+  on_result(result) is called as each finishes (the caller saves what it has so far).
+  """
   single = [s for s in specs if math.prod(s["mesh"]) == 1 and not s.get("in_process")]
   gpus = local_gpu_count() if single else 1
   results = {}
@@ -228,10 +231,12 @@ def run_train_specs(specs: list[dict]) -> list[dict]:
     for s, p in zip(batch, procs):
       results[id(s)] = _child_result("train", s, p)
       print_table([results[id(s)]])
+      on_result(results[id(s)])
   for s in specs:
     if id(s) not in results:
       results[id(s)] = run_child("train", s)
       print_table([results[id(s)]])
+      on_result(results[id(s)])
   return [results[id(s)] for s in specs]
 
 
@@ -295,6 +300,9 @@ def main(argv=None) -> int:
   parser.add_argument("--aot_config", default="configs/7b.py")
   parser.add_argument("--recipes", default="bf16,infir2")
   parser.add_argument("--meshes", default="1x1x1,1x2x1,1x1x2", help="train meshes d x f x t")
+  parser.add_argument("--runs", default="",
+                      help="train runs RECIPE@MESH instead of recipes x meshes, e.g. "
+                           "bf16@1x1x1,infir2@1x1x1,infir2@1x2x1")
   parser.add_argument("--aot_meshes", default="1x2x4", help="AOT meshes over --aot_devices")
   parser.add_argument("--aot_devices", type=int, default=8)
   parser.add_argument("--seq_len", type=int, default=4096)
@@ -317,11 +325,26 @@ def main(argv=None) -> int:
   results = []
   common = {"tiny": args.tiny, "seq_len": args.seq_len,
             "in_process": args.tiny and not args.children}
+  info = benchtools.run_info(sys.argv if argv is None else ["sharding_gpu.py", *argv],
+                             with_device=False)
+
+  def save(partial=None):  # after every run: a call cut short keeps what it measured
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+      json.dump({**info, "args": vars(args), "results": results + (partial or [])}, f,
+                indent=1)
+
   if args.mode in ("train", "all"):
-    results += run_train_specs([
-        dict(common, config=args.config, recipe=recipe, mesh=parse_mesh(mesh),
-             batch_size=args.batch_size, steps=args.steps, num_layers=args.num_layers)
-        for recipe in args.recipes.split(",") for mesh in args.meshes.split(",")])
+    runs = ([r.split("@") for r in args.runs.split(",")] if args.runs else
+            [(recipe, mesh) for recipe in args.recipes.split(",")
+             for mesh in args.meshes.split(",")])
+    done = []
+    results += run_train_specs(
+        [dict(common, config=args.config, recipe=recipe, mesh=parse_mesh(mesh),
+              batch_size=args.batch_size, steps=args.steps, num_layers=args.num_layers)
+         for recipe, mesh in runs],
+        on_result=lambda r: (done.append(r), save(done)))
+    save()
   if args.mode in ("aot", "all"):
     for mesh in args.aot_meshes.split(","):
       spec = dict(common, config=args.aot_config, recipe=args.recipes.split(",")[-1],
@@ -329,13 +352,10 @@ def main(argv=None) -> int:
                   batch_size=args.aot_batch_size)
       results.append(aot_with_fallback(spec))
       print_table(results[-1:])
+      save()
   print()
   print_table(results)
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump({**benchtools.run_info(sys.argv if argv is None else ["sharding_gpu.py", *argv],
-                                     with_device=False),
-               "args": vars(args), "results": results}, f, indent=1)
+  save()
   print(f"wrote {args.out}")
   return 1 if any("error" in r for r in results) else 0
 

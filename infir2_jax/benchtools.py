@@ -116,11 +116,11 @@ def run_info(argv, with_device: bool = True):
     except Exception:  # noqa: BLE001
       return ""
   dev = jax.devices()[0] if with_device else None
-  head = git("rev-parse", "HEAD")
+  # The device machine's copy of the tree may carry a stale .git: the caller's commit wins.
+  head = "" if "INFIR2_GIT_COMMIT" in os.environ else git("rev-parse", "HEAD")
   in_checkout = len(head) == 40
   return {
       "command": " ".join([os.path.basename(sys.executable), *argv]),
-      # a device machine gets a copy of the tree without .git: the caller passes the commit
       "git_commit": head if in_checkout else os.environ.get(
           "INFIR2_GIT_COMMIT", "(unknown: no git checkout here)"),
       "git_dirty": (bool(git("status", "--porcelain")) if in_checkout
