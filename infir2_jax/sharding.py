@@ -38,6 +38,7 @@ DEFAULT_RULES: Rules = (
     ("norm", None),
     ("act_embed", None),
     ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),  # K and V activations; follows kv_heads
     ("act_mlp", "tensor"),
 )
 
@@ -151,7 +152,7 @@ def logical_rules(cfg: MeshConfig, model_cfg=None, mesh: Mesh | None = None) -> 
     if model_cfg.num_kv_heads % kv_ways:
       logging.info("replicating the %d KV heads over the %d-way %s axis (not divisible)",
                    model_cfg.num_kv_heads, kv_ways, rules["kv_heads"])
-      rules["kv_heads"] = None
+      rules["kv_heads"] = rules["act_kv_heads"] = None
     head_ways = ways(mesh, mesh_axes_of(tuple(rules.items()), "heads"))
     if model_cfg.num_heads % head_ways:
       raise ValueError(

@@ -123,3 +123,24 @@ def test_remat_with_fake_kernels_gives_the_same_gradients(fake_pallas):
   for remat in ("save_dots", "save_dots_fp8", "full"):
     for a, b in zip(jax.tree.leaves(grads["none"]), jax.tree.leaves(grads[remat])):
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_per_shard_gemms_keep_the_policy(fake_pallas, scan_layers):
+  """Under FSDP x tensor the FP8 GEMMs run inside shard_map (sharded_gemm); save_dots must
+  still find their named outputs there: no GEMM recomputed."""
+  from infir2_jax import sharding
+  dot_general = make_dot_general("infir2", backend="pallas")
+  cfg = dataclasses.replace(CFG, remat="save_dots", scan_layers=scan_layers, num_kv_heads=2)
+  model = Qwen2(cfg, lambda path: dot_general)
+  tokens = jnp.zeros((4, 128), jnp.int32)
+  params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens)["params"]))
+  loss = lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2)
+  mesh_cfg = sharding.MeshConfig(1, 2, 2)
+  mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:4])
+  with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.logical_rules(mesh_cfg, cfg, mesh)):
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params, tokens).jaxpr
+  counts = _count_primitives(jaxpr, collections.Counter())
+  assert counts["shard_map"] > 0, "the projections did not run per shard"
+  per_layer = 3 * PROJECTIONS_PER_LAYER * (1 if scan_layers else CFG.num_layers)
+  assert counts["fake_fp8_gemm"] == per_layer + 3, counts  # + the LM head's three

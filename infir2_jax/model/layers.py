@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from infir2_jax.sharded_gemm import projection
 from infir2_jax.sharding import compute_axes
 
 DotGeneral = Callable[..., jax.Array]
@@ -50,9 +51,7 @@ class Linear(nn.Module):
     # The compute copy is gathered over fsdp right here (tensor split kept), so GSPMD moves
     # the weight, not the activations.
     kernel = nn.with_logical_constraint(kernel.astype(self.dtype), compute_axes(self.kernel_axes))
-    y = dot_general(x.astype(self.dtype), kernel,
-                    (((x.ndim - 1,), (0,)), ((), ())), precision=None,
-                    preferred_element_type=None)
+    y = projection(dot_general, x.astype(self.dtype), kernel, self.kernel_axes)
     if self.use_bias:
       bias = self.param(
           "bias", nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[1:]),
@@ -103,6 +102,24 @@ def segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
   return same_segment_BxLxL[:, None]
 
 
+def shard_for_cudnn(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL):
+  """Shardings cuDNN attention's SPMD partitioner accepts: q, k and v alike, mask by batch.
+
+  Its partitioner requires identical PartitionSpecs for q, k and v (split on batch and heads
+  only) and the mask split on batch only; left to propagation, K and V come out sharded
+  otherwise and the compile fails ("Query, key and value should have same sharding"). Where
+  the KV heads are replicated but the query heads split (tensor degree > KV heads), K and V
+  are repeated to one head per query head first, as Megatron does. No-op without a mesh.
+  """
+  if nn.logical_to_mesh_axes(("act_heads",)) != nn.logical_to_mesh_axes(("act_kv_heads",)):
+    groups = q_BxLxHxDh.shape[2] // k_BxLxKxDh.shape[2]
+    k_BxLxKxDh = jnp.repeat(k_BxLxKxDh, groups, axis=2)
+    v_BxLxKxDh = jnp.repeat(v_BxLxKxDh, groups, axis=2)
+  qkv = tuple(nn.with_logical_constraint(t, ("batch", "length", "act_heads", None))
+              for t in (q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh))
+  return (*qkv, nn.with_logical_constraint(mask_Bx1xLxL, ("batch", None, None, None)))
+
+
 class Attention(nn.Module):
   """Grouped-query self-attention with q/k/v biases; softmax in float32."""
   num_heads: int
@@ -136,9 +153,13 @@ class Attention(nn.Module):
     q_BxLxHxDh = apply_rope(q_BxLxHxDh, cos, sin)
     k_BxLxKxDh = apply_rope(k_BxLxKxDh, cos, sin)
 
+    mask_Bx1xLxL = segment_mask(segment_ids_BxL)
+    if self.implementation == "cudnn":
+      q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL = shard_for_cudnn(
+          q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL)
     out_BxLxHxDh = jax.nn.dot_product_attention(
-        q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=segment_mask(segment_ids_BxL),
-        is_causal=True, implementation=self.implementation)
+        q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=mask_Bx1xLxL, is_causal=True,
+        implementation=self.implementation)
     out_BxLxHDh = out_BxLxHxDh.reshape(batch, length, self.num_heads * self.head_dim)
     return dense(width, ("heads", "embed"), False, "o_proj")(out_BxLxHDh)
 

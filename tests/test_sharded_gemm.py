@@ -1,0 +1,75 @@
+"""FP8 projections of shard-local recipes run per shard (shard_map): the local GEMM shapes.
+
+Numerics across meshes are checked by test_sharding_equivalence (infir2 on four meshes equals
+one device); here: which recipes take the per-shard path, and that each projection's GEMM
+sees exactly its shard (tokens / batch ways, N or K / tensor ways), which is what an opaque
+Pallas kernel needs so that no GPU computes another GPU's part.
+"""
+
+import collections
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+from infir2_jax import sharding
+from infir2_jax.model import Qwen2
+from infir2_jax.precision import PrecisionConfig, get_recipe, make_dot_general_factory, recipe_names
+from infir2_jax.sharded_gemm import shard_local
+from test_sharding_equivalence import LENGTH, ROWS, make_batch, tiny_config
+
+
+def test_which_recipes_are_shard_local():
+  local = {name for name in recipe_names() if shard_local(get_recipe(name))}
+  assert local == {n for n in recipe_names() if n.startswith("infir2")}
+  assert not shard_local(get_recipe("bf16"))  # nothing quantized
+
+
+def _local_gemm_shapes(recipe: str, mesh_shape):
+  cfg = tiny_config()
+  model = Qwen2(cfg.model, make_dot_general_factory(PrecisionConfig(recipe=recipe,
+                                                                    backend="xla")))
+  mesh_cfg = sharding.MeshConfig(*mesh_shape)
+  mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:mesh_shape[0] * mesh_shape[1] * mesh_shape[2]])
+  rules = sharding.logical_rules(mesh_cfg, cfg.model, mesh)
+  batch = make_batch()
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    jaxpr = jax.make_jaxpr(lambda p: model.apply(p, batch["inputs"], batch["positions"],
+                                                 batch["segment_ids"]))(params)
+  shapes = collections.Counter()
+  def walk(j):
+    for e in j.eqns:
+      if e.primitive.name == "shard_map":
+        inner = e.params["jaxpr"]
+        x, w = (v.aval.shape for v in getattr(inner, "jaxpr", inner).invars)
+        shapes[(tuple(x), tuple(w))] += 1
+      for p in e.params.values():
+        for sub in (p if isinstance(p, (list, tuple)) else [p]):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+  walk(jaxpr.jaxpr)
+  return shapes
+
+
+def test_infir2_projections_see_only_their_shard():
+  # mesh data 1 x fsdp 2 x tensor 4; hidden 1024, 4 heads and 2 KV heads of 128, MLP 512.
+  # KV heads are replicated at tensor 4 (2 < 4); o/down split K over tensor (partial sums).
+  rows = ROWS // 2
+  want = collections.Counter({
+      ((rows, LENGTH, 1024), (1024, 512 // 4)): 3,   # q_proj, gate_proj, up_proj
+      ((rows, LENGTH, 1024), (1024, 256)): 2,        # k_proj, v_proj
+      ((rows, LENGTH, 512 // 4), (512 // 4, 1024)): 2,  # o_proj, down_proj
+  })
+  assert _local_gemm_shapes("infir2", (1, 2, 4)) == want
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_tensorwise", "fp8_rowwise"])
+def test_other_recipes_stay_with_xla_partitioning(recipe):
+  assert not _local_gemm_shapes(recipe, (1, 2, 4))
+
+
+def test_single_device_has_no_shard_map():
+  assert not _local_gemm_shapes("infir2", (1, 1, 1))
