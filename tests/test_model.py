@@ -74,6 +74,24 @@ def test_packed_segments_do_not_attend_to_each_other():
   np.testing.assert_allclose(out[:, 7:], alone2, atol=1e-5, rtol=1e-5)
 
 
+
+def test_causal_attention_mask_attends_across_packed_documents():
+  """attention_mask="causal": the second document sees the first (no segment mask), which is
+  the whole row as one document; the first document is unchanged either way."""
+  model, params = init(TINY)
+  causal = Qwen2(dataclasses.replace(TINY, attention_mask="causal"))
+  tokens = jax.random.randint(jax.random.key(4), (1, 16), 0, TINY.vocab_size)
+  segments = jnp.array([[1] * 7 + [2] * 9])
+  positions = jnp.array([list(range(7)) + list(range(9))])
+  doc = model.apply({"params": params}, tokens, positions, segments)
+  across = causal.apply({"params": params}, tokens, positions, segments)
+  one_segment = model.apply({"params": params}, tokens, positions, jnp.ones_like(segments))
+  np.testing.assert_allclose(across, one_segment, atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(across[:, :7], doc[:, :7], atol=1e-6, rtol=1e-6)
+  assert not np.allclose(across[:, 7:], doc[:, 7:], atol=1e-3)
+  with pytest.raises(ValueError, match="attention_mask='none'.*'document', 'causal'"):
+    dataclasses.replace(TINY, attention_mask="none")
+
 def test_rope_theta_matters():
   model_a, params = init(TINY)
   model_b = Qwen2(dataclasses.replace(TINY, rope_theta=10.0))

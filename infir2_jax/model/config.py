@@ -28,6 +28,10 @@ class ModelConfig:
   param_dtype: str = "float32"      # master weights
   init_std: float = 0.02            # normal init of linear and embedding weights
   attention: str = "xla"            # "xla" | "cudnn" | "auto" (cudnn on GPU)
+  # "document": a token attends to earlier tokens of its own packed sequence (segment_ids);
+  # "causal": to every earlier token of the row (Megatron's default for pre-training,
+  # reset_attention_mask=False). "causal" needs no mask, so cuDNN runs its fastest kernel.
+  attention_mask: str = "document"
   # activation recomputation per layer: "none" | "save_dots" (keep matmul outputs) |
   # "save_dots_fp8" (and FP8 recipes' quantized backward operands) | "full" (keep nothing)
   remat: str = "none"
@@ -50,6 +54,9 @@ class ModelConfig:
                        f"model.num_heads={self.num_heads}; set model.head_dim explicitly")
     if self.attention not in ("xla", "cudnn", "auto"):
       raise ValueError(f"model.attention={self.attention!r}; valid: 'xla', 'cudnn', 'auto'")
+    if self.attention_mask not in ("document", "causal"):
+      raise ValueError(f"model.attention_mask={self.attention_mask!r}; valid: 'document', "
+                       "'causal'")
     if self.remat not in REMAT_MODES:
       raise ValueError(f"model.remat={self.remat!r}; valid: {', '.join(map(repr, REMAT_MODES))}")
     for name in ("dtype", "param_dtype"):

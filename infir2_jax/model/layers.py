@@ -117,7 +117,9 @@ def shard_for_cudnn(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL):
     v_BxLxKxDh = jnp.repeat(v_BxLxKxDh, groups, axis=2)
   qkv = tuple(nn.with_logical_constraint(t, ("batch", "length", "act_heads", None))
               for t in (q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh))
-  return (*qkv, nn.with_logical_constraint(mask_Bx1xLxL, ("batch", None, None, None)))
+  if mask_Bx1xLxL is not None:
+    mask_Bx1xLxL = nn.with_logical_constraint(mask_Bx1xLxL, ("batch", None, None, None))
+  return (*qkv, mask_Bx1xLxL)
 
 
 class Attention(nn.Module):
@@ -132,6 +134,7 @@ class Attention(nn.Module):
   param_dtype: Any = jnp.float32
   init_std: float = 0.02
   dot_general_factory: DotGeneralFactory = default_dot_general_factory
+  document_mask: bool = True          # attend within the packed segment only (else causal)
 
   @nn.compact
   def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
@@ -153,7 +156,7 @@ class Attention(nn.Module):
     q_BxLxHxDh = apply_rope(q_BxLxHxDh, cos, sin)
     k_BxLxKxDh = apply_rope(k_BxLxKxDh, cos, sin)
 
-    mask_Bx1xLxL = segment_mask(segment_ids_BxL)
+    mask_Bx1xLxL = segment_mask(segment_ids_BxL) if self.document_mask else None
     if self.implementation == "cudnn":
       q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL = shard_for_cudnn(
           q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL)

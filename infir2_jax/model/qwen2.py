@@ -38,7 +38,8 @@ class DecoderLayer(nn.Module):
       implementation = "cudnn"
     attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.rope_theta,
                      cfg.qkv_bias, implementation, dtype, param_dtype, cfg.init_std,
-                     self.dot_general_factory, name="self_attn")
+                     self.dot_general_factory, cfg.attention_mask == "document",
+                     name="self_attn")
     h = x_BxLxD + attn(norm("input_layernorm")(x_BxLxD), positions_BxL, segment_ids_BxL)
     mlp = MLP(cfg.intermediate_size, dtype, param_dtype, cfg.init_std,
               self.dot_general_factory, name="mlp")
