@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from infir2_jax.loss import cross_entropy_sums
+from infir2_jax.loss import chunked_cross_entropy_sums, cross_entropy_sums
 from infir2_jax.precision import telemetry
 
 Batch = dict[str, jax.Array]   # inputs, targets, segment_ids, positions, loss_mask: [B, L]
@@ -17,6 +17,12 @@ State = dict[str, Any]         # step, params, opt_state
 
 def loss_sums(model: nn.Module, params, batch: Batch) -> tuple[jax.Array, jax.Array]:
   """(sum of token losses, number of loss tokens) of one (micro-)batch."""
+  chunk = model.config.loss_chunk
+  if chunk and chunk < batch["inputs"].shape[-1]:  # the head and loss a chunk at a time
+    hidden_BxLxD = model.apply({"params": params}, batch["inputs"], batch["positions"],
+                               batch["segment_ids"], return_hidden=True)
+    return chunked_cross_entropy_sums(lambda h: model.head_logits(params, h), hidden_BxLxD,
+                                      batch["targets"], batch["loss_mask"], chunk)
   logits_BxLxV = model.apply({"params": params}, batch["inputs"], batch["positions"],
                              batch["segment_ids"])
   return cross_entropy_sums(logits_BxLxV, batch["targets"], batch["loss_mask"])

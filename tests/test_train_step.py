@@ -119,3 +119,39 @@ def test_gradients_are_clipped_by_global_norm_before_adam():
 def test_bad_optimizer_config():
   with pytest.raises(ValueError, match="schedule"):
     OptConfig(schedule="linear-ish")
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_chunked_loss_equals_whole_rows_and_holds_fewer_logits(tie):
+  """model.loss_chunk: the same loss sums and gradients (float32), and XLA's temporaries
+  shrink by about the whole-row logits it no longer keeps."""
+  vocab, length = 2048, 64
+  cfg = dataclasses.replace(TINY, vocab_size=vocab, tie_embeddings=tie)
+  batch = make_batch(rows=4, length=length)
+  batch["targets"] = (batch["targets"] * 7) % vocab
+  model = Qwen2(cfg)
+  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  results, temps = {}, {}
+  for chunk in (0, 16):
+    chunked = Qwen2(dataclasses.replace(cfg, loss_chunk=chunk))
+    fn = jax.jit(jax.value_and_grad(lambda p, b: loss_sums(chunked, p, b), has_aux=True))
+    results[chunk] = fn(params, batch)
+    temps[chunk] = fn.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+  (loss0, count0), grads0 = results[0]
+  (loss1, count1), grads1 = results[16]
+  assert float(count0) == float(count1) == batch["loss_mask"].sum()
+  np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads0), jax.tree.leaves(grads1)):  # f32 summation order
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+  logits_bytes = 4 * length * vocab * 4  # rows x length x vocab float32
+  assert temps[16] < temps[0] - logits_bytes, temps
+
+
+def test_loss_chunk_must_divide_the_sequence():
+  model = Qwen2(dataclasses.replace(TINY, loss_chunk=5))
+  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  with pytest.raises(ValueError, match="loss_chunk=5 must divide the sequence length 16"):
+    loss_sums(model, params, make_batch())
+  with pytest.raises(ValueError, match="loss_chunk must be >= 0"):
+    dataclasses.replace(TINY, loss_chunk=-1)

@@ -40,6 +40,11 @@ class ModelConfig:
   # (checkpoints, HF import/export and partition specs unchanged); each step stacks them
   # (a transient copy of the layer params). Needs the same recipe in every layer.
   scan_layers: bool = False
+  # Compute the LM head and the loss over chunks of this many positions per row (0: whole
+  # rows at once). Only one chunk's float32 logits are live, forward and backward (at 16k
+  # tokens x 152k vocab the whole-row logits and their gradient are ~30 GB); each chunk's
+  # logits are recomputed in the backward pass (one more LM-head GEMM).
+  loss_chunk: int = 0
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -54,6 +59,8 @@ class ModelConfig:
                        f"model.num_heads={self.num_heads}; set model.head_dim explicitly")
     if self.attention not in ("xla", "cudnn", "auto"):
       raise ValueError(f"model.attention={self.attention!r}; valid: 'xla', 'cudnn', 'auto'")
+    if self.loss_chunk < 0:
+      raise ValueError(f"model.loss_chunk must be >= 0 (0: no chunking), got {self.loss_chunk}")
     if self.attention_mask not in ("document", "causal"):
       raise ValueError(f"model.attention_mask={self.attention_mask!r}; valid: 'document', "
                        "'causal'")

@@ -47,6 +47,12 @@ class DecoderLayer(nn.Module):
     return nn.with_logical_constraint(out, ("batch", "length", "act_embed"))
 
 
+def tied_head(dot_general, x_BxLxD, table_VxD):
+  """Logits [B, L, V] in float32 against the (compute-dtype) embedding table."""
+  return dot_general(x_BxLxD, table_VxD, (((x_BxLxD.ndim - 1,), (1,)), ((), ())),
+                     precision=None, preferred_element_type=jnp.float32)
+
+
 class Qwen2(nn.Module):
   """Qwen2 causal LM. `__call__` returns float32 logits [B, L, V].
 
@@ -89,13 +95,26 @@ class Qwen2(nn.Module):
       return x_BxLxD
     # LM head in the compute dtype with a float32 result: softmax and loss need f32.
     if cfg.tie_embeddings:
-      dot_general = self.dot_general_factory("lm_head")
-      return dot_general(x_BxLxD.astype(dtype), table_VxD,
-                         (((x_BxLxD.ndim - 1,), (1,)), ((), ())), precision=None,
-                         preferred_element_type=jnp.float32)
+      return tied_head(self.dot_general_factory("lm_head"), x_BxLxD.astype(dtype), table_VxD)
     head = Linear(cfg.vocab_size, ("embed", "vocab"), False, dtype, param_dtype,
                   cfg.init_std, self._f32_factory(), name="lm_head")
     return head(x_BxLxD)
+
+  def head_logits(self, params, hidden_BxLxD):
+    """The LM head alone, from `params` (a pure function, outside apply): float32 logits of
+    the final hidden states that `__call__(..., return_hidden=True)` returns. The chunked
+    loss calls it per chunk; the same computation as the end of `__call__`."""
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    x_BxLxD = hidden_BxLxD.astype(dtype)
+    if cfg.tie_embeddings:
+      table_VxD = nn.with_logical_constraint(params["embed_tokens"]["embedding"].astype(dtype),
+                                             compute_axes(("vocab", "embed")))
+      return tied_head(self.dot_general_factory("lm_head"), x_BxLxD, table_VxD)
+    kernel_DxV = nn.with_logical_constraint(params["lm_head"]["kernel"].astype(dtype),
+                                            compute_axes(("embed", "vocab")))
+    return self._f32_factory()("lm_head")(x_BxLxD, kernel_DxV,
+                                          (((x_BxLxD.ndim - 1,), (0,)), ((), ())))
 
   def _scanned_layers(self, x_BxLxD, positions_BxL, segment_ids_BxL):
     """The layers as one lax.scan over their params, stacked on a leading axis per step."""
