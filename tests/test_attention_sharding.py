@@ -9,23 +9,15 @@ own check, Shardy factors for k, v and the bias independent of q's, as cuDNN dec
 and computes with XLA, so the real SPMD partitioner runs it on 8 fake CPU devices.
 """
 
-import dataclasses
-
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa  # the check cuDNN applies
 
-from infir2_jax import sharding
-from infir2_jax.model import Qwen2
-from infir2_jax.precision import PrecisionConfig, make_dot_general_factory
-from infir2_jax.train_step import make_train_step
-from test_sharding_equivalence import ROWS, make_batch, tiny_config
+from test_sharding_equivalence import run_step
 
 XLA_ATTENTION = jax.nn.dot_product_attention
 BTNH = cudnn_fa.AttentionLayout.BTNH.value
@@ -91,31 +83,10 @@ def stand_in_cudnn(q, k, v, bias=None, mask=None, *, is_causal=False, implementa
   return _attention(q, k, v, jnp.where(mask, 0.0, -1e9).astype(q.dtype))
 
 
-def loss_and_grads(mesh_shape, attention: str):
-  cfg = tiny_config()
-  model_cfg = dataclasses.replace(cfg.model, attention=attention)
-  model = Qwen2(model_cfg, make_dot_general_factory(PrecisionConfig(recipe="bf16")))
-  tx = optax.sgd(1.0)
-  init = lambda rng: model.init(rng, jnp.zeros((1, 8), jnp.int32))["params"]
-  mesh_cfg = sharding.MeshConfig(*mesh_shape)
-  mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:int(np.prod(mesh_shape))])
-  rules = sharding.logical_rules(mesh_cfg, model_cfg, mesh)
-  state, shardings = sharding.sharded_init(init, tx, mesh, rules, jax.random.key(0))
-  batch_sharding = sharding.batch_sharding(mesh, rules)
-  batch = jax.tree.map(lambda x: jax.device_put(x, batch_sharding), make_batch())
-  params = jax.device_get(state["params"])
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    step = jax.jit(make_train_step(model, tx, lambda _: 1.0),
-                   in_shardings=(shardings, batch_sharding),
-                   out_shardings=(shardings, sharding.replicated(mesh)))
-    new_state, metrics = step(state, batch)
-  grads = jax.tree.map(lambda a, b: a - b, params, jax.device_get(new_state["params"]))
-  return float(metrics["loss"]), grads
-
-
 @pytest.fixture(scope="module")
 def single_device():
-  return loss_and_grads((1, 1, 1), "xla")
+  loss, _, grads, _ = run_step("bf16", (1, 1, 1), attention="xla")
+  return loss, grads
 
 
 # (1, 2, 1): FSDP, the failing 2-GPU case; (1, 1, 2): 2 KV heads split over tensor 2;
@@ -125,7 +96,7 @@ def test_cudnn_attention_shardings_pass_its_partitioner(mesh_shape, single_devic
                                                         monkeypatch):
   monkeypatch.setattr(jax.nn, "dot_product_attention", stand_in_cudnn)
   CHECKED.clear()
-  loss, grads = loss_and_grads(mesh_shape, "cudnn")
+  loss, _, grads, _ = run_step("bf16", mesh_shape, attention="cudnn")
   assert len(CHECKED) >= 2, "the stand-in cuDNN attention was not partitioned (fwd and bwd)"
   for q_spec, k_spec, v_spec, bias_spec in CHECKED:
     assert q_spec == k_spec == v_spec

@@ -5,7 +5,6 @@ import sys
 import types
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -6,6 +6,7 @@ fsdp 8; 4 heads of 128 and MLP 512 for tensor 4; 2 KV heads, replicated at tenso
 float32 compute. Gradients come out exactly as the parameter change of one SGD(1) step.
 """
 
+import dataclasses
 import importlib.util
 import os
 
@@ -54,9 +55,11 @@ def make_batch():
           "loss_mask": (rng.random((ROWS, LENGTH)) < 0.7).astype(np.float32)}
 
 
-def run_step(recipe: str, mesh_shape):
-  """(loss, initial params, gradients) of one step on the first prod(mesh_shape) devices."""
+def run_step(recipe: str, mesh_shape, **model_overrides):
+  """(loss, initial params, gradients, new state) of one step on the first prod(mesh_shape)
+  devices; model_overrides replace ModelConfig fields (e.g. attention="cudnn")."""
   cfg = tiny_config()
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model_overrides))
   model = Qwen2(cfg.model, make_dot_general_factory(
       PrecisionConfig(recipe=recipe, backend="xla")))
   tx = optax.sgd(1.0)  # new params = params - grads exactly
