@@ -139,14 +139,35 @@ def compile_only_devices(num: int, tiny: bool):
 
   On GPUs: a compile-only PJRT topology "1x1xN" (slices x hosts x devices) whose target
   config the CUDA plugin takes from the attached GPU (XLA's PJRT_GpuDeviceTopology_Create).
+  Without a GPU, $INFIR2_GPU_TARGET_CONFIG names a GpuTargetConfigProto text file (see
+  benchmarks/gpu_target_configs/README.md): XLA then compiles for that GPU on the CPU host
+  (deviceless: no autotuning, so memory and errors are real, kernel choices are defaults).
   """
   import jax
+  from jax.experimental import topologies
+  target = os.environ.get("INFIR2_GPU_TARGET_CONFIG")
+  if target and not tiny:
+    with open(target) as f:
+      topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{num}",
+                                              target_config=f.read())
+    return (list(topology.devices), f"deviceless compile for {topology.devices[0].device_kind}"
+            f" from {os.path.basename(target)}")
   if tiny or jax.default_backend() == "cpu":
     return jax.devices()[:num], "cpu devices"
-  from jax.experimental import topologies
   topology = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{num}")
   return (list(topology.devices),
           f"compile-only topology 1x1x{num} ({topology.devices[0].device_kind})")
+
+
+def _as_on_hopper(cfg):
+  """The choices a Hopper GPU process makes by itself, made explicit for a deviceless
+  compile on a CPU host: cuDNN attention for "auto", the Pallas kernels for "auto"."""
+  import dataclasses
+  from infir2_jax import kernels
+  kernels.available = lambda: True  # the target is an H100/H200 (sm_90)
+  if cfg.model.attention == "auto":
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="cudnn"))
+  return cfg
 
 
 def aot_one(spec: dict) -> dict:
@@ -162,6 +183,8 @@ def aot_one(spec: dict) -> dict:
     devices, how = jax.devices()[:spec["devices"]], f"mock GPU topology {spec['mock']}"
   else:
     devices, how = compile_only_devices(spec["devices"], spec["tiny"])
+  if how.startswith("deviceless"):  # compiling for the GPU on a CPU host: as on that GPU
+    cfg = _as_on_hopper(cfg)
   mesh, rules, model, optimizer, init, problems = _setup(cfg, devices)
   structs, shardings = sharding.abstract_state(init, optimizer, mesh, rules)
   batch_sharding = sharding.batch_sharding(mesh, rules)

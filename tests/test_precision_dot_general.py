@@ -333,3 +333,22 @@ def _all_eqns(jaxpr):
         inner = getattr(sub, "jaxpr", sub)
         if hasattr(inner, "eqns"):
           yield from _all_eqns(inner)
+
+
+def test_bf16_dots_stay_bf16_when_compiling_for_a_gpu_mesh_on_a_cpu_host():
+  """The CPU-speed upcast follows the platform compiled for (the mesh's devices), so a
+  deviceless GPU compile on a CPU host keeps bf16 GEMMs (and GPU memory figures)."""
+  from infir2_jax.precision import gemm
+  x = jnp.ones((4, 64), jnp.bfloat16)
+  w = jnp.ones((64, 32), jnp.bfloat16)
+  dn = (((1,), (0,)), ((), ()))
+  dot_dtypes = lambda: [v.aval.dtype for e in _all_eqns(
+      jax.make_jaxpr(lambda a, b: bf16_dot_general(a, b, dn))(x, w).jaxpr)
+      if e.primitive.name == "dot_general" for v in e.invars]
+  assert gemm.target_platform() == jax.default_backend() == "cpu"
+  assert set(dot_dtypes()) == {jnp.dtype(jnp.float32)}  # CPU: the f32 upcast
+  gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu)
+  with jax.sharding.use_abstract_mesh(mesh):
+    assert gemm.target_platform() == "gpu"
+    assert set(dot_dtypes()) == {jnp.dtype(jnp.bfloat16)}

@@ -252,11 +252,20 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+HOPPER_SMS = 132  # H100 SXM and H200
+
+
 def _num_sms() -> int:
+  """SMs of the GPU the kernel is built for: the mesh's device, else the default device.
+
+  Traced with neither a GPU mesh nor a GPU attached (a deviceless compile for Hopper on a
+  CPU host, shape-only init traces): an H100 SXM / H200's count; only the size of the
+  persistent grid depends on it.
+  """
   abstract = jax.sharding.get_abstract_mesh().abstract_device
   if abstract is not None:
     return abstract.num_cores
-  return jax.devices()[0].core_count
+  return getattr(jax.devices()[0], "core_count", None) or HOPPER_SMS
 
 
 def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,

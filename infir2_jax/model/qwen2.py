@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from infir2_jax.model.config import ModelConfig
 from infir2_jax.precision.dot_general import FP8_GEMM_OUT, FP8_RESIDUALS
+from infir2_jax.precision.gemm import target_platform
 from infir2_jax.sharding import compute_axes
 from infir2_jax.model.layers import (
     MLP, Attention, DotGeneralFactory, Linear, RMSNorm, default_dot_general_factory)
@@ -34,7 +35,7 @@ class DecoderLayer(nn.Module):
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name=name)
     implementation = {"xla": None, "cudnn": "cudnn", "auto": None}[cfg.attention]
-    if cfg.attention == "auto" and jax.default_backend() == "gpu":
+    if cfg.attention == "auto" and target_platform() == "gpu":
       implementation = "cudnn"
     attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.rope_theta,
                      cfg.qkv_bias, implementation, dtype, param_dtype, cfg.init_std,
