@@ -30,9 +30,10 @@ MESH_NAMES = ("data", "fsdp", "tensor")
 
 
 def load_config(path: str, *, tiny: bool, recipe: str, seq_len: int, batch_size: int,
-                mesh: tuple[int, int, int], num_layers: int = 0):
-  """TrainConfig of a config file with the benchmark's overrides (tiny: CPU-sized widths)."""
-  from infir2_jax.config import TrainConfig
+                mesh: tuple[int, int, int], num_layers: int = 0, overrides=()):
+  """TrainConfig of a config file with the benchmark's overrides (tiny: CPU-sized widths),
+  then `overrides` ("model.remat=none", ...)."""
+  from infir2_jax.config import TrainConfig, _split_override
   spec = importlib.util.spec_from_file_location("bench_cfg", os.path.join(ROOT, path))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -47,6 +48,13 @@ def load_config(path: str, *, tiny: bool, recipe: str, seq_len: int, batch_size:
   c.seq_len, c.batch_size = seq_len, batch_size
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
   c.mesh.fp8_alignment = "warn"  # measure what the user asked for; report the problems
+  for override in overrides:
+    key, value = _split_override(override)
+    *sections, leaf = key.split(".")
+    node = c
+    for name in sections:
+      node = node[name]
+    node[leaf] = value  # unknown keys fail in from_config_dict, with the valid ones listed
   return TrainConfig.from_config_dict(c)
 
 
@@ -97,7 +105,7 @@ def train_one(spec: dict) -> dict:
   mesh_shape = tuple(spec["mesh"])
   cfg = load_config(spec["config"], tiny=spec["tiny"], recipe=spec["recipe"],
                     seq_len=spec["seq_len"], batch_size=spec["batch_size"], mesh=mesh_shape,
-                    num_layers=spec.get("num_layers", 0))
+                    num_layers=spec.get("num_layers", 0), overrides=spec.get("overrides", ()))
   devices = jax.devices()[:math.prod(mesh_shape)]
   mesh, rules, model, optimizer, init, problems = _setup(cfg, devices)
   t0 = time.perf_counter()
@@ -131,7 +139,8 @@ def train_one(spec: dict) -> dict:
           "model_tflops_per_device": cfg.model.flops_per_token(cfg.seq_len) * tokens
                                      / step_s / len(devices) / 1e12,
           "peak_bytes_per_device": peaks, "memory_analysis": memory_analysis_dict(compiled),
-          "losses": losses, "fp8_alignment_problems": problems}
+          "losses": losses, "fp8_alignment_problems": problems,
+          "overrides": list(spec.get("overrides", ())), "remat": cfg.model.remat}
 
 
 def compile_only_devices(num: int, tiny: bool):
@@ -177,7 +186,8 @@ def aot_one(spec: dict) -> dict:
   from infir2_jax import benchtools, sharding
   mesh_shape = tuple(spec["mesh"])
   cfg = load_config(spec["config"], tiny=spec["tiny"], recipe=spec["recipe"],
-                    seq_len=spec["seq_len"], batch_size=spec["batch_size"], mesh=mesh_shape)
+                    seq_len=spec["seq_len"], batch_size=spec["batch_size"], mesh=mesh_shape,
+                    overrides=spec.get("overrides", ()))
   if spec.get("mock"):  # mock NCCL + remote devices: compiles for all, runs nothing
     jax.config.update("jax_mock_gpu_topology", spec["mock"])  # before the backend starts
     devices, how = jax.devices()[:spec["devices"]], f"mock GPU topology {spec['mock']}"
@@ -199,7 +209,8 @@ def aot_one(spec: dict) -> dict:
           "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "params": cfg.model.num_params(),
           "compile_s": time.perf_counter() - t0, "memory_analysis": memory,
           "fits_141GB": memory.get("total_bytes", math.inf) <= H200_BYTES,
-          "fp8_alignment_problems": problems}
+          "fp8_alignment_problems": problems,
+          "overrides": list(spec.get("overrides", ())), "remat": cfg.model.remat}
 
 
 def child_env(tiny: bool, **extra) -> dict:
@@ -333,6 +344,8 @@ def main(argv=None) -> int:
   parser.add_argument("--aot_batch_size", type=int, default=8)
   parser.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up")
   parser.add_argument("--num_layers", type=int, default=0, help="override (0 = the config's)")
+  parser.add_argument("--override", action="append", default=[],
+                      help="config override a.b=v for every run (repeatable)")
   parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                     "sharding_gpu.json"))
   args = parser.parse_args(argv)
@@ -346,7 +359,7 @@ def main(argv=None) -> int:
     os.environ.update(child_env(True))  # before this process imports jax (in-process runs)
   from infir2_jax import benchtools  # imports jax; run_info(with_device=False) starts no backend
   results = []
-  common = {"tiny": args.tiny, "seq_len": args.seq_len,
+  common = {"tiny": args.tiny, "seq_len": args.seq_len, "overrides": args.override,
             "in_process": args.tiny and not args.children}
   info = benchtools.run_info(sys.argv if argv is None else ["sharding_gpu.py", *argv],
                              with_device=False)
