@@ -33,7 +33,7 @@ def load_config(path: str, *, tiny: bool, recipe: str, seq_len: int, batch_size:
                 mesh: tuple[int, int, int], num_layers: int = 0, overrides=()):
   """TrainConfig of a config file with the benchmark's overrides (tiny: CPU-sized widths),
   then `overrides` ("model.remat=none", ...)."""
-  from infir2_jax.config import TrainConfig, _split_override
+  from infir2_jax.config import TrainConfig, apply_overrides
   spec = importlib.util.spec_from_file_location("bench_cfg", os.path.join(ROOT, path))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -48,14 +48,7 @@ def load_config(path: str, *, tiny: bool, recipe: str, seq_len: int, batch_size:
   c.seq_len, c.batch_size = seq_len, batch_size
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = mesh
   c.mesh.fp8_alignment = "warn"  # measure what the user asked for; report the problems
-  for override in overrides:
-    key, value = _split_override(override)
-    *sections, leaf = key.split(".")
-    node = c
-    for name in sections:
-      node = node[name]
-    node[leaf] = value  # unknown keys fail in from_config_dict, with the valid ones listed
-  return TrainConfig.from_config_dict(c)
+  return TrainConfig.from_config_dict(apply_overrides(c, overrides))
 
 
 def _setup(cfg, devices):

@@ -259,10 +259,11 @@ def main():
     with open(os.path.join(log_dir, f"log_{tag}"), "w+") as log:  # a file: pipes can block
       proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
       t0 = time.perf_counter()
-      while proc.poll() is None and time.perf_counter() - t0 < args.variant_timeout_s:
-        time.sleep(1)
-      timed_out = proc.poll() is None
-      if timed_out:
+      try:
+        proc.wait(timeout=args.variant_timeout_s)
+        timed_out = False
+      except subprocess.TimeoutExpired:
+        timed_out = True
         proc.kill()
         proc.wait()
       log.seek(0)

@@ -175,7 +175,13 @@ def load_config(spec: str = "", overrides: "dict[str, Any] | Sequence[str]" = ()
   and overrides given as {"opt.lr": 1e-3} or ["opt.lr=1e-3", ...] (values parsed as Python
   literals, else kept as strings). The programmatic twin of the command line, for sweeps,
   notebooks and benchmarks."""
-  config = get_config_dict(spec)
+  return TrainConfig.from_config_dict(apply_overrides(get_config_dict(spec), overrides))
+
+
+def apply_overrides(config: ml_collections.ConfigDict,
+                    overrides: "dict[str, Any] | Sequence[str]") -> ml_collections.ConfigDict:
+  """Sets {"opt.lr": 1e-3} or ["opt.lr=1e-3", ...] in `config` (in place, and returns it);
+  an unknown key is an error naming the closest valid one."""
   items = overrides.items() if isinstance(overrides, dict) else (
       _split_override(o) for o in overrides)
   valid = flat_keys()
@@ -190,7 +196,7 @@ def load_config(spec: str = "", overrides: "dict[str, Any] | Sequence[str]" = ()
     for name in path:
       section = section[name]
     section[leaf] = value
-  return TrainConfig.from_config_dict(config)
+  return config
 
 
 def get_config_dict(spec: str = "") -> ml_collections.ConfigDict:

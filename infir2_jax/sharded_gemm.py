@@ -15,13 +15,11 @@ Recipes whose scales span a whole row or tensor (fp8_rowwise, fp8_tensorwise) ne
 maxima and stay with XLA's partitioner; so do bf16 projections.
 """
 
-import math
-
 import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec as P
 
-from infir2_jax.sharding import compute_axes
+from infir2_jax.sharding import as_axes, compute_axes, ways
 
 MAX_LOCAL_TILE = 128
 
@@ -38,12 +36,6 @@ def shard_local(recipe) -> bool:
 def _axes(name):
   """Mesh axes of one logical name under the active rules (None, a name or a tuple)."""
   return nn.logical_to_mesh_axes((name,))[0] if name else None
-
-
-def _names(axes) -> tuple[str, ...]:
-  if axes is None:
-    return ()
-  return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def projection(dot_general, x, kernel, kernel_axes: tuple[str, str]):
@@ -66,9 +58,8 @@ def projection(dot_general, x, kernel, kernel_axes: tuple[str, str]):
   batch, k_axes, n_axes = _axes("batch"), _axes(k_name), _axes(n_name)
   lead = (batch, _axes("length")) if x.ndim == 3 else (batch,)
   x_spec, w_spec, y_spec = P(*lead, k_axes), P(k_axes, n_axes), P(*lead, n_axes)
-  ways = lambda axes: math.prod(mesh.shape[a] for a in _names(axes))
   dims = [*zip(x.shape, x_spec), *zip(kernel.shape, w_spec)]
-  if any(size % ways(axes) for size, axes in dims):
+  if any(size % ways(mesh, as_axes(axes)) for size, axes in dims):
     return call(x, kernel)  # e.g. the 1-row batch that traces init: XLA partitions it
 
   # check_vma=False: a pallas_call does not carry shard_map's varying-axes types. The
@@ -76,7 +67,7 @@ def projection(dot_general, x, kernel, kernel_axes: tuple[str, str]):
   # batch axes (the gradient reduction), dX over tensor for column-parallel projections.
   per_shard = lambda f, out_spec: jax.shard_map(f, mesh=mesh, in_specs=(x_spec, w_spec),
                                                 out_specs=out_spec, check_vma=False)
-  if not _names(k_axes):
+  if not as_axes(k_axes):
     return per_shard(call, y_spec)(x, kernel)
   # Row-parallel: each shard's partial sum, stacked on a leading axis split like K, summed
   # by XLA (the forward all-reduce; its transpose is a broadcast, so the backward pass

@@ -125,12 +125,16 @@ def compute_axes(param_axes: Sequence[str | None]) -> tuple[str | None, ...]:
   return tuple(COMPUTE_AXES.get(a, a) if a else a for a in param_axes)
 
 
-def mesh_axes_of(rules: Rules, logical: str) -> tuple[str, ...]:
-  """The mesh axes a logical axis maps to under `rules` (() = replicated)."""
-  axes = dict(rules).get(logical)
+def as_axes(axes: "str | Sequence[str] | None") -> tuple[str, ...]:
+  """A rule's or PartitionSpec entry's mesh axes as a tuple (() = replicated)."""
   if axes is None:
     return ()
   return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def mesh_axes_of(rules: Rules, logical: str) -> tuple[str, ...]:
+  """The mesh axes a logical axis maps to under `rules` (() = replicated)."""
+  return as_axes(dict(rules).get(logical))
 
 
 def ways(mesh: Mesh, axes: Sequence[str]) -> int:
