@@ -344,6 +344,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.mode == "_child":
     kind, spec = args.child[0], json.loads(args.child[1])
+    if kind == "train" and not spec["tiny"]:  # runs after the first reuse its init compile
+      from infir2_jax import runtime
+      runtime.enable_compilation_cache()
     print("RESULT " + json.dumps(train_one(spec) if kind == "train" else aot_one(spec)),
           flush=True)
     return 0

@@ -228,6 +228,8 @@ def main():
   args = _parse()
   if args.child:
     label, seq_len = args.child.rsplit(":", 1)
+    from infir2_jax import runtime  # variants after the first reuse the init's compile
+    runtime.enable_compilation_cache()
     print("RESULT " + json.dumps(run_one(args, label, int(seq_len))), flush=True)
     return
   # before jax starts: the parent must not hold 75% of the GPU while the children run
