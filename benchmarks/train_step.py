@@ -172,6 +172,10 @@ def kernel_kind(name: str) -> str:
   name = name.lower()
   if any(s in name for s in ATTENTION_KEYS):
     return "attention"
+  if "infir2_fp8_gemm" in name:  # our kernels' names (kernels/gemm.py, quantize.py)
+    return "pallas_fp8_gemm"
+  if "infir2_quantize" in name:
+    return "pallas_quantize"
   if any(s in name for s in PALLAS_KEYS):
     return "pallas_fp8"
   if any(s in name for s in GEMM_KEYS):

@@ -208,6 +208,7 @@ def _quantize_2d(x, *, fmt, scale_format, blocks, with_transpose, interpret):
                            blocks=blocks, with_transpose=with_transpose)
   outs = plgpu.kernel(
       body, out_type=tuple(out_type), grid=(mb, kb), grid_names=("m", "k"),
+      kernel_name="infir2_quantize_" + ("blocks" if blocks else "tiles"),  # in profiles
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(xp)
   q = outs[0][:m, :k]
