@@ -124,7 +124,8 @@ def run_info(argv, with_device: bool = True):
       "git_commit": head if in_checkout else os.environ.get(
           "INFIR2_GIT_COMMIT", "(unknown: no git checkout here)"),
       "git_dirty": (bool(git("status", "--porcelain")) if in_checkout
-                    else os.environ.get("INFIR2_GIT_DIRTY", "unknown")),
+                    else {"true": True, "false": False}.get(
+                        os.environ.get("INFIR2_GIT_DIRTY", "").lower(), "unknown")),
       "device": getattr(dev, "device_kind", str(dev)) if with_device else "see each result",
       "num_sms": getattr(dev, "core_count", None),
       "jax_version": jax.__version__,

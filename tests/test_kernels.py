@@ -242,6 +242,22 @@ def test_gemm_stage_cap_is_needed_and_sufficient(monkeypatch):
     _lower_on_h100(lambda *a: gemm.block_scaled_matmul(*a, config=one_more), *specs)
 
 
+def test_gemm_kernel_is_traced_once_per_signature(monkeypatch):
+  """Every layer calls the same GEMM shapes: the kernel body is traced (and its Mosaic module
+  built) once per signature, not at every call (168 calls took 49 s to lower before)."""
+  traces = []
+  body = gemm._kernel_body
+  monkeypatch.setattr(gemm, "_kernel_body", lambda *a, **kw: (traces.append(1), body(*a, **kw))[1])
+  gemm._gemm_kernel.cache_clear()  # built again with the counting body, dropped after
+  try:
+    def six_calls(a, sa, b, sb):
+      return sum(kernels.block_scaled_matmul(a, sa * (i + 1), b, sb) for i in range(6))
+    _lower_on_h100(six_calls, *_gemm_specs(1024, 512, 1024, "block"))
+  finally:
+    gemm._gemm_kernel.cache_clear()
+  assert 1 <= len(traces) <= 2, len(traces)  # one trace to jaxpr, at most one more to lower
+
+
 @pytest.mark.parametrize("fn,kw", [
     (kernels.quantize_tiles, dict()),
     (kernels.quantize_tiles, dict(with_transpose=True)),

@@ -268,6 +268,31 @@ def _num_sms() -> int:
   return getattr(jax.devices()[0], "core_count", None) or HOPPER_SMS
 
 
+@functools.lru_cache(maxsize=None)
+def _gemm_kernel(config: TuningConfig, per_column: bool, split_k: int, out_shape, part_dtype,
+                 num_sms: int, interpret: bool):
+  """The jitted kernel of one static signature, built once.
+
+  A model calls the same GEMM shape many times (every layer, fprop/dgrad/wgrad); as one
+  jitted function, JAX lowers its Mosaic GPU module once per program, not at every call
+  (the default model's FP8 step made 168 kernel calls and spent 49 s lowering them)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  body = functools.partial(_kernel_body, config=config, per_column=per_column, split_k=split_k)
+  return jax.jit(plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct(out_shape, part_dtype),
+      grid=(num_sms // (1 + (config.cluster is not None)),),
+      grid_names=("sm",),
+      cluster=(1 + (config.cluster is not None),),
+      cluster_names=("cluster",),
+      num_threads=3,
+      thread_name="wg",
+      kernel_name="infir2_fp8_gemm",  # by this name in profiles
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  ))
+
+
 def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
                         config: TuningConfig | None = None, interpret: bool = False):
   """Block-scaled FP8 GEMM out[M, N] = (a_q * a_scale) @ (b_q * b_scale)^T.
@@ -289,8 +314,6 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
   only when unaligned), M and the tile remainders are masked by TMA. Grids with
   too few tiles for the GPU split K (f32 partials summed by XLA, see TuningConfig).
   """
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-
   kind = check_operands(a_q, a_scale, b_q, b_scale, out_dtype)
   out_dtype = jnp.dtype(out_dtype)
   (m, k), n = a_q.shape, b_q.shape[0]
@@ -313,20 +336,8 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
     config = dataclasses.replace(config, promotion="serial")  # odd K blocks per split
   part_dtype = out_dtype if split_k == 1 else jnp.dtype(jnp.float32)
   config = fit_stages(config, part_dtype)
-  body = functools.partial(_kernel_body, config=config, per_column=per_column, split_k=split_k)
-  f = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((split_k, mp, np_), part_dtype),
-      grid=(num_sms // (1 + (config.cluster is not None)),),
-      grid_names=("sm",),
-      cluster=(1 + (config.cluster is not None),),
-      cluster_names=("cluster",),
-      num_threads=3,
-      thread_name="wg",
-      kernel_name="infir2_fp8_gemm",  # by this name in profiles
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )
+  f = _gemm_kernel(config, per_column, split_k, (split_k, mp, np_), part_dtype, num_sms,
+                   interpret)
   out = f(a, b, sa_KbxM, sb_KbxN)
   out = out[0] if split_k == 1 else jnp.sum(out, axis=0).astype(out_dtype)
   return out[:m, :n] if (mp, np_) != (m, n) else out

@@ -183,9 +183,21 @@ def _round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
+@functools.lru_cache(maxsize=None)
+def _quantize_kernel(out_type, grid, fmt, scale_format, blocks, with_transpose, interpret):
+  """The jitted kernel of one static signature, built once (lowered once per program)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  body = functools.partial(_kernel_body, fmt=fmt, scale_format=scale_format,
+                           blocks=blocks, with_transpose=with_transpose)
+  return jax.jit(plgpu.kernel(
+      body, out_type=out_type, grid=grid, grid_names=("m", "k"),
+      kernel_name="infir2_quantize_" + ("blocks" if blocks else "tiles"),  # in profiles
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  ))
+
+
 def _quantize_2d(x, *, fmt, scale_format, blocks, with_transpose, interpret):
   """Runs the kernel on a 2-D bf16 x; returns the contract's layouts."""
-  import jax.experimental.pallas.mosaic_gpu as plgpu
 
   _check_formats(fmt, scale_format)
   if x.ndim != 2:
@@ -204,13 +216,8 @@ def _quantize_2d(x, *, fmt, scale_format, blocks, with_transpose, interpret):
               jax.ShapeDtypeStruct((mb, 4 * kb) if blocks else (kb, mp), f32)]
   if with_transpose:
     out_type += [jax.ShapeDtypeStruct((kp, mp), dtype), jax.ShapeDtypeStruct((mb, kp), f32)]
-  body = functools.partial(_kernel_body, fmt=fmt, scale_format=scale_format,
-                           blocks=blocks, with_transpose=with_transpose)
-  outs = plgpu.kernel(
-      body, out_type=tuple(out_type), grid=(mb, kb), grid_names=("m", "k"),
-      kernel_name="infir2_quantize_" + ("blocks" if blocks else "tiles"),  # in profiles
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(xp)
+  outs = _quantize_kernel(tuple(out_type), (mb, kb), fmt, scale_format, blocks, with_transpose,
+                          interpret)(xp)
   q = outs[0][:m, :k]
   s = outs[1][:, ::4] if blocks else outs[1].T[:m]
   if blocks and with_transpose:
