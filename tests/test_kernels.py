@@ -242,6 +242,29 @@ def test_gemm_stage_cap_is_needed_and_sufficient(monkeypatch):
     _lower_on_h100(lambda *a: gemm.block_scaled_matmul(*a, config=one_more), *specs)
 
 
+def test_default_config_picks_the_faster_measured_tile_width():
+  """On every shape where the H200 run timed both tile widths, default_config picks the faster."""
+  import json
+  import os
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
+                      "gemm_h200_run1.json")
+  with open(path) as f:
+    rows = json.load(f)["rows"]
+  checked = 0
+  for row in rows:
+    by_width = {}
+    for config, timing in row["ours_by_config"].items():
+      if "tflops" in timing:
+        by_width[192 if "tile_n=192" in config else 128] = timing["tflops"]
+    if len(by_width) < 2:
+      continue
+    faster = max(by_width, key=by_width.get)
+    picked = gemm.default_config(row["M"], row["N"], row["K"]).tile_n
+    assert picked == faster, (row["label"], by_width, picked)
+    checked += 1
+  assert checked >= 10
+
+
 def test_gemm_kernel_is_traced_once_per_signature(monkeypatch):
   """Every layer calls the same GEMM shapes: the kernel body is traced (and its Mosaic module
   built) once per signature, not at every call (168 calls took 49 s to lower before)."""

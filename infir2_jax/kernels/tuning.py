@@ -101,12 +101,14 @@ def choose_split_k(m, n, k, config: TuningConfig, num_sms: int,
 def default_config(m: int, n: int, k: int) -> TuningConfig:
   """The measured-best config for an [m, k] x [n, k] problem on an H200.
 
-  Long-K (wgrad) problems whose N is a multiple of 192 ran faster with 64x192
-  warpgroup tiles (787 vs 604 TFLOP/s at 1536x1536x16384, 928 vs 862 at
-  8960x1536x16384); everything else with DEFAULT_CONFIG.
+  64x192 warpgroup tiles won only on the wgrad GEMMs of 16k tokens whose smaller output
+  side is the 1.5B's width (787 vs 604 TFLOP/s at 1536x1536x16384, 916 vs 858 at
+  1536x8960x16384, 928 vs 863 at 8960x1536x16384); they lost on the 1.5B's dgrad
+  16384x1536x8960 (1039 vs 1079), the 7B's wgrads (3584x3584: 860 vs 937) and on every
+  narrow or short-K shape (benchmarks/results/gemm_h200_run1.json, both widths timed on 16
+  shapes; tests/test_kernels.py checks this rule against that file).
   """
-  del m
-  if k >= 8192 and n % 192 == 0:
+  if k >= 16384 and 1536 <= min(m, n) <= 2048:
     return TuningConfig(tile_n=192, max_concurrent_steps=4)
   return DEFAULT_CONFIG
 
