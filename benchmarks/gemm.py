@@ -181,7 +181,6 @@ def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True,
       row["speedup_vs_xla_bf16"] = base / row["ours"]["ms"]
       row["xla_fp8_tensorwise_vs_xla_bf16"] = base / row["xla_fp8_tensorwise"]["ms"]
   row["operand_sets_rotated"] = rotate
-  del x, w_t, a_q, a_s, b_q, b_s, extra, fp8_sets  # all_sets goes with the frame
   return row
 
 

@@ -137,7 +137,7 @@ def enable_compilation_cache() -> str:
 
   Programs that compile in 2 s or more are kept, so a restarted run, or a benchmark's next
   process with the same init, does not compile them again (the 1.5B init alone takes ~85 s
-  to compile for the H200: ~200 random-number ops)."""
+  to compile for the H200: XLA compiles a kernel per parameter array)."""
   cache_dir = os.environ.get("INFIR2_COMPILATION_CACHE",
                              os.path.expanduser("~/.cache/infir2_jax/jax_cache"))
   if cache_dir:

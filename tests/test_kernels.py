@@ -5,6 +5,8 @@ abstract H100 catches shared-memory overflow and unsupported primitives (not
 ptxas: registers and spills are only seen on the GPU, see benchmarks/).
 """
 import importlib
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -244,8 +246,6 @@ def test_gemm_stage_cap_is_needed_and_sufficient(monkeypatch):
 
 def test_default_config_picks_the_faster_measured_tile_width():
   """On every shape where the H200 run timed both tile widths, default_config picks the faster."""
-  import json
-  import os
   path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results",
                       "gemm_h200_run1.json")
   with open(path) as f:

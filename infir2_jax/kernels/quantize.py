@@ -198,7 +198,6 @@ def _quantize_kernel(out_type, grid, fmt, scale_format, blocks, with_transpose, 
 
 def _quantize_2d(x, *, fmt, scale_format, blocks, with_transpose, interpret):
   """Runs the kernel on a 2-D bf16 x; returns the contract's layouts."""
-
   _check_formats(fmt, scale_format)
   if x.ndim != 2:
     raise ValueError(f"x.shape={x.shape}: the kernel takes a 2-D array")

@@ -1,5 +1,7 @@
 """The Qwen2/Qwen2.5 decoder-only language model (Flax linen)."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -28,7 +30,8 @@ def cudnn_attention_saveable(prim, *_, **__) -> bool:
 
 
 def _save_any(*policies):
-  return lambda *args, **kwargs: any(p(*args, **kwargs) for p in policies)
+  """Logical OR of remat policies (JAX's save_from_both_policies, for any number)."""
+  return functools.reduce(_cp.save_from_both_policies, policies)
 
 
 _REMAT_POLICIES = {
