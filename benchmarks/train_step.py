@@ -247,7 +247,6 @@ def main():
              "variants": []}
   if jax.default_backend() == "gpu":  # before any child, on an idle GPU
     results["xla_bf16_gemm_tflops_8192"] = xla_bf16_gemm_tflops()
-  log_dir = tempfile.mkdtemp(prefix="train_step_logs_")
   tags = [f"{label.split('@')[0]}:{seq_len}"
           for seq_len in (int(s) for s in args.seq_lens.split(","))
           for label in args.recipes.split(",")
@@ -262,7 +261,7 @@ def main():
       continue
     cmd = [sys.executable, __file__, "--child", tag] + [
         a for a in sys.argv[1:] if not a.startswith("--out")]
-    with open(os.path.join(log_dir, f"log_{tag}"), "w+") as log:  # a file: pipes can block
+    with tempfile.TemporaryFile("w+") as log:  # a file (pipes can block), removed on close
       proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
       t0 = time.perf_counter()
       try:

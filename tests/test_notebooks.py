@@ -23,6 +23,9 @@ def test_notebook_runs_in_small_mode(path, monkeypatch, tmp_path):
   monkeypatch.setenv("XLA_FLAGS", "")  # one CPU device, not conftest's 8 fake ones
   monkeypatch.setenv("MPLBACKEND", "Agg")
   monkeypatch.setenv("INFIR2_COMPILATION_CACHE", str(tmp_path / "jax_cache"))
+  workdir = tmp_path / "work"  # runs land in pytest's tmp, not a leaked mkdtemp folder
+  workdir.mkdir()
+  monkeypatch.setenv("INFIR2_NOTEBOOK_WORKDIR", str(workdir))
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
       p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
   nb = nbformat.read(path, as_version=4)
@@ -33,3 +36,5 @@ def test_notebook_runs_in_small_mode(path, monkeypatch, tmp_path):
   errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
             if o.get("output_type") == "error"]
   assert not errors
+  if os.path.basename(path) in ("quickstart.ipynb", "numerics.ipynb"):
+    assert any(workdir.iterdir()), "the notebook did not write its runs under INFIR2_NOTEBOOK_WORKDIR"
