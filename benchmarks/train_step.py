@@ -23,8 +23,6 @@ Results are written after every variant, so a run cut short keeps what it measur
 """
 
 import argparse
-import collections
-import gzip
 import json
 import os
 import platform
@@ -159,57 +157,9 @@ def run_one(args, label: str, seq_len: int) -> dict:
       "backend": cfg.precision.backend,
   }
   if trace_dir:
+    from infir2_jax.profile_summary import summarize_trace
     result["profile"] = summarize_trace(trace_dir)
   return result
-
-
-GEMM_KEYS = ("gemm", "cublas", "cutlass", "xmma", "sm90", "nvjet", "matmul", "dot")
-ATTENTION_KEYS = ("fmha", "flash", "cudnn", "attention", "sdpa")
-PALLAS_KEYS = ("block_scaled", "fp8_gemm", "quantize", "mosaic", "pallas")
-
-
-def kernel_kind(name: str) -> str:
-  name = name.lower()
-  if any(s in name for s in ATTENTION_KEYS):
-    return "attention"
-  if "infir2_fp8_gemm" in name:  # our kernels' names (kernels/gemm.py, quantize.py)
-    return "pallas_fp8_gemm"
-  if "infir2_quantize" in name:
-    return "pallas_quantize"
-  if any(s in name for s in PALLAS_KEYS):
-    return "pallas_fp8"
-  if any(s in name for s in GEMM_KEYS):
-    return "gemm"
-  return "other"
-
-
-def summarize_trace(trace_dir: str, top: int = 25) -> dict:
-  """Milliseconds of GPU kernels by kind, and the top kernels, from one step's trace."""
-  paths = sorted(os.path.join(r, f) for r, _, fs in os.walk(trace_dir) for f in fs
-                 if f.endswith(".json.gz"))
-  if not paths:
-    return {"error": "no trace written"}
-  with gzip.open(paths[0], "rt") as f:
-    trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  names = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu_pids = {pid for pid, n in names.items() if "gpu" in n.lower() or "/device:" in n.lower()}
-  gpu_pids = {pid for pid in gpu_pids if "cpu" not in names[pid].lower()}
-  kinds = collections.Counter()
-  per_kernel = collections.Counter()
-  for e in events:
-    if e.get("ph") != "X" or "dur" not in e or e.get("pid") not in gpu_pids:
-      continue
-    name = str(e.get("name", ""))
-    kinds[kernel_kind(name)] += e["dur"]
-    per_kernel[name] += e["dur"]
-  return {"ms_by_kind": {k: v / 1e3 for k, v in kinds.items()},
-          "device_ms_total": sum(kinds.values()) / 1e3,
-          "gpu_processes": sorted(names[p] for p in gpu_pids),
-          "all_processes": sorted(set(names.values()))[:20], "trace_file": paths[0],
-          "top_kernels_ms": [[n[:160], kernel_kind(n), d / 1e3]
-                             for n, d in per_kernel.most_common(top)]}
 
 
 def xla_bf16_gemm_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -324,6 +274,13 @@ def _table(results):
           f"{r.get('peak_memory_vs_bf16', float('nan')):7.3f} "
           f"{sum(r['hlo_fp8_gemms'].values()) if isinstance(r['hlo_fp8_gemms'], dict) else r['hlo_fp8_gemms']:>10} "
           f"{r['compile_s']:9.1f}", flush=True)
+    profile = r.get("profile") or {}
+    if "ms_by_kind" in profile:
+      print("    device ms by kind: " + ", ".join(
+          f"{k} {v:.1f}" for k, v in sorted(profile["ms_by_kind"].items(), key=lambda kv: -kv[1])))
+    for g in profile.get("fp8_gemm_by_problem", [])[:12]:
+      print(f"    fp8 gemm {g['m']}x{g['n']}x{g['k']} n{g['tile_n']} split{g['split_k']}: "
+            f"{g['calls']} calls, {g['ms']:.1f} ms, {g['tflops']:.0f} TFLOP/s")
 
 if __name__ == "__main__":
   main()

@@ -16,6 +16,7 @@ import pytest
 
 from infir2_jax import kernels
 from infir2_jax.kernels import gemm
+from infir2_jax.kernels import quantize
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -230,6 +231,13 @@ def test_gemm_lowers_for_hopper(config):
     f = lambda *a: kernels.block_scaled_matmul(*a, out_dtype=out_dtype, config=config)
     text = _lower_on_h100(f, *_gemm_specs(*shape, kind)).as_text()
     assert "mosaic_gpu" in text
+    # The kernel is named after its padded problem and config (profiles give in-step rates).
+    m, n, k = shape
+    named = gemm.parse_gemm_kernel_name(text)
+    assert named is not None and named["tile_n"] == config.tile_n, named
+    assert (named["m"], named["n"], named["k"]) == (-(-m // 8) * 8, -(-n // 64) * 64,
+                                                  -(-k // 128) * 128), (shape, named)
+    assert named["split_k"] >= (2 if shape == (1536, 256, 16384) else 1)
 
 
 def test_gemm_stage_cap_is_needed_and_sufficient(monkeypatch):
@@ -290,7 +298,11 @@ def test_gemm_kernel_is_traced_once_per_signature(monkeypatch):
 def test_quantize_lowers_for_hopper(fn, kw):
   for shape in ((16384, 1536), (1000, 1544)):
     spec = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    assert "mosaic_gpu" in _lower_on_h100(lambda x: fn(x, **kw), spec).as_text()
+    text = _lower_on_h100(lambda x: fn(x, **kw), spec).as_text()
+    assert "mosaic_gpu" in text
+    padded = tuple(-(-d // 128) * 128 for d in shape)
+    assert quantize.quantize_kernel_name(padded, fn is kernels.quantize_blocks,
+                                         kw.get("with_transpose", False)) in text
 
 
 def _mosaic_calls_in_scanned_model_gradient(num_layers, monkeypatch):

@@ -19,6 +19,7 @@ accumulator with its per-row (and per-column or per-block) scale
 """
 import dataclasses
 import functools
+import re
 
 import jax
 from jax import lax
@@ -268,9 +269,28 @@ def _num_sms() -> int:
   return getattr(jax.devices()[0], "core_count", None) or HOPPER_SMS
 
 
+KERNEL_NAME = "infir2_fp8_gemm"
+_NAME_RE = re.compile(KERNEL_NAME + r"_(\d+)x(\d+)x(\d+)_n(\d+)_split(\d+)")
+
+
+def gemm_kernel_name(m: int, n: int, k: int, tile_n: int, split_k: int) -> str:
+  """The kernel's name in profiles: its (padded) problem and config, so that a trace's
+  per-kernel times give in-step TFLOP/s per GEMM shape (benchmarks/train_step.py)."""
+  return f"{KERNEL_NAME}_{m}x{n}x{k}_n{tile_n}_split{split_k}"
+
+
+def parse_gemm_kernel_name(name: str) -> dict | None:
+  """Inverse of gemm_kernel_name (within a longer profiler name); None if it is not ours."""
+  match = _NAME_RE.search(name)
+  if not match:
+    return None
+  m, n, k, tile_n, split_k = map(int, match.groups())
+  return {"m": m, "n": n, "k": k, "tile_n": tile_n, "split_k": split_k}
+
+
 @functools.lru_cache(maxsize=None)
-def _gemm_kernel(config: TuningConfig, per_column: bool, split_k: int, out_shape, part_dtype,
-                 num_sms: int, interpret: bool):
+def _gemm_kernel(config: TuningConfig, per_column: bool, split_k: int, out_shape, k: int,
+                 part_dtype, num_sms: int, interpret: bool):
   """The jitted kernel of one static signature, built once.
 
   A model calls the same GEMM shape many times (every layer, fprop/dgrad/wgrad); as one
@@ -287,7 +307,7 @@ def _gemm_kernel(config: TuningConfig, per_column: bool, split_k: int, out_shape
       cluster_names=("cluster",),
       num_threads=3,
       thread_name="wg",
-      kernel_name="infir2_fp8_gemm",  # by this name in profiles
+      kernel_name=gemm_kernel_name(out_shape[1], out_shape[2], k, config.tile_n, split_k),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   ))
@@ -336,7 +356,7 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
     config = dataclasses.replace(config, promotion="serial")  # odd K blocks per split
   part_dtype = out_dtype if split_k == 1 else jnp.dtype(jnp.float32)
   config = fit_stages(config, part_dtype)
-  f = _gemm_kernel(config, per_column, split_k, (split_k, mp, np_), part_dtype, num_sms,
+  f = _gemm_kernel(config, per_column, split_k, (split_k, mp, np_), kp, part_dtype, num_sms,
                    interpret)
   out = f(a, b, sa_KbxM, sb_KbxN)
   out = out[0] if split_k == 1 else jnp.sum(out, axis=0).astype(out_dtype)

@@ -183,6 +183,13 @@ def _round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
+def quantize_kernel_name(shape, blocks: bool, with_transpose: bool) -> str:
+  """The kernel's name in profiles: layout and (padded) shape, e.g.
+  infir2_quantize_tiles_t_16384x1536 (1x128 tiles plus the token-axis tiles)."""
+  kind = "blocks" if blocks else "tiles"
+  return f"infir2_quantize_{kind}{'_t' if with_transpose else ''}_{shape[0]}x{shape[1]}"
+
+
 @functools.lru_cache(maxsize=None)
 def _quantize_kernel(out_type, grid, fmt, scale_format, blocks, with_transpose, interpret):
   """The jitted kernel of one static signature, built once (lowered once per program)."""
@@ -191,7 +198,7 @@ def _quantize_kernel(out_type, grid, fmt, scale_format, blocks, with_transpose, 
                            blocks=blocks, with_transpose=with_transpose)
   return jax.jit(plgpu.kernel(
       body, out_type=out_type, grid=grid, grid_names=("m", "k"),
-      kernel_name="infir2_quantize_" + ("blocks" if blocks else "tiles"),  # in profiles
+      kernel_name=quantize_kernel_name(out_type[0].shape, blocks, with_transpose),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   ))
 

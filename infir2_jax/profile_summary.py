@@ -1,0 +1,75 @@
+"""One train step's GPU kernel time from a jax.profiler trace: by kind, by kernel, and the
+in-step TFLOP/s of each of our FP8 GEMM shapes (their kernel names carry the problem)."""
+
+import collections
+import gzip
+import json
+import os
+
+from infir2_jax.kernels.gemm import parse_gemm_kernel_name
+
+GEMM_KEYS = ("gemm", "cublas", "cutlass", "xmma", "sm90", "nvjet", "matmul", "dot")
+ATTENTION_KEYS = ("fmha", "flash", "cudnn", "attention", "sdpa")
+PALLAS_KEYS = ("block_scaled", "fp8_gemm", "quantize", "mosaic", "pallas")
+
+
+def kernel_kind(name: str) -> str:
+  """attention | pallas_fp8_gemm | pallas_quantize | pallas_fp8 | gemm | other."""
+  name = name.lower()
+  if any(s in name for s in ATTENTION_KEYS):
+    return "attention"
+  if "infir2_fp8_gemm" in name:  # our kernels' names (kernels/gemm.py, quantize.py)
+    return "pallas_fp8_gemm"
+  if "infir2_quantize" in name:
+    return "pallas_quantize"
+  if any(s in name for s in PALLAS_KEYS):
+    return "pallas_fp8"
+  if any(s in name for s in GEMM_KEYS):
+    return "gemm"
+  return "other"
+
+
+def fp8_gemm_rates(per_kernel_us: dict, calls: dict) -> list[dict]:
+  """Our GEMM kernels in the step, one row per problem: calls, ms and achieved TFLOP/s
+  (padded M x N x K, split-K partial sums not included), slowest total first."""
+  rows = []
+  for name, us in per_kernel_us.items():
+    problem = parse_gemm_kernel_name(name)
+    if problem is None or not us:
+      continue
+    flops = 2.0 * problem["m"] * problem["n"] * problem["k"] * calls[name]
+    rows.append({**problem, "kernel": name, "calls": calls[name], "ms": us / 1e3,
+                 "tflops": flops / (us * 1e-6) / 1e12})
+  return sorted(rows, key=lambda r: -r["ms"])
+
+
+def summarize_trace(trace_dir: str, top: int = 25) -> dict:
+  """Milliseconds of GPU kernels by kind, the top kernels, and our GEMMs' in-step rates."""
+  paths = sorted(os.path.join(r, f) for r, _, fs in os.walk(trace_dir) for f in fs
+                 if f.endswith(".json.gz"))
+  if not paths:
+    return {"error": f"no trace (*.json.gz) under {trace_dir}"}
+  with gzip.open(paths[0], "rt") as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  names = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  gpu_pids = {pid for pid, n in names.items() if "gpu" in n.lower() or "/device:" in n.lower()}
+  gpu_pids = {pid for pid in gpu_pids if "cpu" not in names[pid].lower()}
+  kinds = collections.Counter()
+  per_kernel = collections.Counter()
+  calls = collections.Counter()
+  for e in events:
+    if e.get("ph") != "X" or "dur" not in e or e.get("pid") not in gpu_pids:
+      continue
+    name = str(e.get("name", ""))
+    kinds[kernel_kind(name)] += e["dur"]
+    per_kernel[name] += e["dur"]
+    calls[name] += 1
+  return {"ms_by_kind": {k: v / 1e3 for k, v in kinds.items()},
+          "device_ms_total": sum(kinds.values()) / 1e3,
+          "gpu_processes": sorted(names[p] for p in gpu_pids),
+          "all_processes": sorted(set(names.values()))[:20], "trace_file": paths[0],
+          "top_kernels_ms": [[n[:160], kernel_kind(n), d / 1e3, calls[n]]
+                             for n, d in per_kernel.most_common(top)],
+          "fp8_gemm_by_problem": fp8_gemm_rates(per_kernel, calls)}
