@@ -126,7 +126,9 @@ def run_one(args, label: str, seq_len: int) -> dict:
         times.append(time.perf_counter() - t0)
     return state, losses, times, init_s, device_batches[-1]
 
-  state, losses, times, init_s, last_batch = train(host_batches)
+  from infir2_jax.benchtools import GpuTelemetry
+  with GpuTelemetry() as telemetry:  # SM clock and power while this variant trains
+    state, losses, times, init_s, last_batch = train(host_batches)
   trace_dir = ""
   if args.profile_dir:
     trace_dir = os.path.join(args.profile_dir, f"{label.replace('~', '_')}_{seq_len}")
@@ -155,6 +157,7 @@ def run_one(args, label: str, seq_len: int) -> dict:
       "step_times_s": times,
       "hlo_fp8_gemms": hlo_counts, "remat": cfg.model.remat, "attention": cfg.model.attention,
       "backend": cfg.precision.backend,
+      "gpu_telemetry": telemetry.summary if jax.default_backend() == "gpu" else None,
   }
   if trace_dir:
     from infir2_jax.profile_summary import summarize_trace
@@ -274,6 +277,11 @@ def _table(results):
           f"{r.get('peak_memory_vs_bf16', float('nan')):7.3f} "
           f"{sum(r['hlo_fp8_gemms'].values()) if isinstance(r['hlo_fp8_gemms'], dict) else r['hlo_fp8_gemms']:>10} "
           f"{r['compile_s']:9.1f}", flush=True)
+    telemetry = r.get("gpu_telemetry") or {}
+    if "sm_mhz_median" in telemetry:
+      print(f"    while training: SM clock median {telemetry['sm_mhz_median']:.0f} MHz "
+            f"(min {telemetry['sm_mhz_min']:.0f}), power median {telemetry['power_w_median']:.0f} W "
+            f"(max {telemetry['power_w_max']:.0f}), {telemetry['temp_c_max']:.0f} C max")
     profile = r.get("profile") or {}
     if "ms_by_kind" in profile:
       print("    device ms by kind: " + ", ".join(

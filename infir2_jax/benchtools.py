@@ -136,3 +136,68 @@ def run_info(argv, with_device: bool = True):
 
 def timing_method():
   return _TIMING["method"]
+
+
+class GpuTelemetry:
+  """Samples the GPU's SM clock, power and temperature with nvidia-smi while a block runs.
+
+  Tells "the kernel is slower" from "the card ran slower" (power or thermal limits under
+  sustained FP8 load). `summary` is filled on exit; with no nvidia-smi it says so and the
+  block runs as usual.
+
+      with GpuTelemetry() as telemetry:
+        ...
+      result["gpu_telemetry"] = telemetry.summary
+  """
+  FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
+
+  def __init__(self, interval_ms: int = 100, gpu_index: int = 0, executable: str = "nvidia-smi"):
+    self._cmd = [executable, f"--query-gpu={','.join(self.FIELDS)}",
+                 "--format=csv,noheader,nounits", f"-lms={interval_ms}", f"-i={gpu_index}"]
+    self._proc = None
+    self._out = None
+    self.summary: dict = {}
+
+  def __enter__(self):
+    import tempfile
+    self._out = tempfile.TemporaryFile("w+")
+    try:
+      self._proc = subprocess.Popen(self._cmd, stdout=self._out, stderr=subprocess.DEVNULL,
+                                    text=True)
+    except OSError as e:
+      self.summary = {"error": f"{self._cmd[0]} not available: {e}"}
+    return self
+
+  def __exit__(self, *exc):
+    if self._proc is not None:
+      self._proc.terminate()
+      try:
+        self._proc.wait(timeout=5)
+      except subprocess.TimeoutExpired:
+        self._proc.kill()
+        self._proc.wait()
+      self._out.seek(0)
+      self.summary = self.parse(self._out.read())
+    self._out.close()
+    return False
+
+  @classmethod
+  def parse(cls, text: str) -> dict:
+    """Median/min/max of each field over the CSV lines nvidia-smi printed."""
+    rows = []
+    for line in text.splitlines():
+      parts = [p.strip() for p in line.split(",")]
+      try:
+        rows.append([float(p) for p in parts])
+      except ValueError:
+        continue  # "[N/A]", a header or a partial last line
+    rows = [r for r in rows if len(r) == len(cls.FIELDS)]
+    if not rows:
+      return {"error": "no samples", "samples": 0}
+    cols = np.asarray(rows).T
+    out = {"samples": len(rows)}
+    for name, col in zip(("sm_mhz", "power_w", "temp_c"), cols):
+      out[f"{name}_median"] = float(np.median(col))
+      out[f"{name}_min"] = float(col.min())
+      out[f"{name}_max"] = float(col.max())
+    return out

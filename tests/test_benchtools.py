@@ -1,0 +1,40 @@
+"""infir2_jax.benchtools.GpuTelemetry with a stand-in nvidia-smi (no GPU here)."""
+
+import os
+import stat
+import time
+
+import pytest
+
+from infir2_jax.benchtools import GpuTelemetry
+
+
+def test_parse_skips_unreadable_lines():
+  text = "1980, 650.5, 61\n[N/A], 100, 40\n1755, 699.9, 70\n1830, 6"  # last line cut off
+  summary = GpuTelemetry.parse(text)
+  assert summary["samples"] == 2
+  assert summary["sm_mhz_median"] == pytest.approx((1980 + 1755) / 2)
+  assert summary["sm_mhz_min"] == 1755 and summary["power_w_max"] == pytest.approx(699.9)
+  assert summary["temp_c_max"] == 70
+  assert GpuTelemetry.parse("")["error"] == "no samples"
+
+
+def test_samples_a_running_block(tmp_path):
+  fake = tmp_path / "nvidia-smi"
+  args_file = tmp_path / "args"
+  fake.write_text("#!/bin/sh\n"
+                  f'echo "$@" > {args_file}\n'
+                  "while true; do echo '1410, 500.0, 55'; sleep 0.02; done\n")
+  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  with GpuTelemetry(interval_ms=20, executable=str(fake)) as telemetry:
+    time.sleep(0.5)
+  assert telemetry.summary["samples"] >= 3, telemetry.summary
+  assert telemetry.summary["sm_mhz_median"] == 1410
+  assert telemetry.summary["power_w_median"] == 500
+  assert "--query-gpu=clocks.sm,power.draw,temperature.gpu" in args_file.read_text()
+
+
+def test_missing_nvidia_smi_is_reported_not_raised(tmp_path):
+  with GpuTelemetry(executable=os.fspath(tmp_path / "absent")) as telemetry:
+    pass
+  assert "not available" in telemetry.summary["error"]
