@@ -286,6 +286,11 @@ def _table(results):
     if "ms_by_kind" in profile:
       print("    device ms by kind: " + ", ".join(
           f"{k} {v:.1f}" for k, v in sorted(profile["ms_by_kind"].items(), key=lambda kv: -kv[1])))
+    if "concurrency" in profile:
+      c = profile["concurrency"]
+      print(f"    kernels: {c['summed_ms']:.1f} ms summed, {c['busy_ms']:.1f} ms busy; ran beside "
+            "another kernel: " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(
+                c["overlapped_ms_by_kind"].items(), key=lambda kv: -kv[1])))
     for g in profile.get("fp8_gemm_by_problem", [])[:12]:
       print(f"    fp8 gemm {g['m']}x{g['n']}x{g['k']} n{g['tile_n']} split{g['split_k']}: "
             f"{g['calls']} calls, {g['ms']:.1f} ms, {g['tflops']:.0f} TFLOP/s")

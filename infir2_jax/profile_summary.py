@@ -43,6 +43,29 @@ def fp8_gemm_rates(per_kernel_us: dict, calls: dict) -> list[dict]:
   return sorted(rows, key=lambda r: -r["ms"])
 
 
+def concurrency(intervals) -> dict:
+  """How much GPU kernels ran at the same time: [(start_us, end_us, kind)] ->
+  busy_ms (the union), summed_ms, and per kind the ms during which another kernel ran too.
+
+  A kernel that shares the SMs with another (XLA runs some copies and fusions on other
+  streams) takes longer than alone, and a persistent kernel sized for every SM (ours) waits
+  for SMs that another kernel holds."""
+  edges = sorted([(s, 1, i) for i, (s, _, _) in enumerate(intervals)] +
+                 [(e, -1, i) for i, (_, e, _) in enumerate(intervals)])
+  active, last, busy = set(), None, 0.0
+  overlapped = collections.Counter()
+  for t, delta, i in edges:
+    if last is not None and active:
+      busy += t - last
+      if len(active) > 1:
+        for j in active:
+          overlapped[intervals[j][2]] += t - last
+    (active.add if delta > 0 else active.discard)(i)
+    last = t
+  return {"busy_ms": busy / 1e3, "summed_ms": sum(e - s for s, e, _ in intervals) / 1e3,
+          "overlapped_ms_by_kind": {k: v / 1e3 for k, v in overlapped.items()}}
+
+
 def summarize_trace(trace_dir: str, top: int = 25) -> dict:
   """Milliseconds of GPU kernels by kind, the top kernels, and our GEMMs' in-step rates."""
   paths = sorted(os.path.join(r, f) for r, _, fs in os.walk(trace_dir) for f in fs
@@ -59,17 +82,22 @@ def summarize_trace(trace_dir: str, top: int = 25) -> dict:
   kinds = collections.Counter()
   per_kernel = collections.Counter()
   calls = collections.Counter()
+  intervals = []
   for e in events:
     if e.get("ph") != "X" or "dur" not in e or e.get("pid") not in gpu_pids:
       continue
     name = str(e.get("name", ""))
-    kinds[kernel_kind(name)] += e["dur"]
+    kind = kernel_kind(name)
+    kinds[kind] += e["dur"]
     per_kernel[name] += e["dur"]
     calls[name] += 1
+    if "ts" in e:
+      intervals.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), kind))
   return {"ms_by_kind": {k: v / 1e3 for k, v in kinds.items()},
           "device_ms_total": sum(kinds.values()) / 1e3,
           "gpu_processes": sorted(names[p] for p in gpu_pids),
           "all_processes": sorted(set(names.values()))[:20], "trace_file": paths[0],
           "top_kernels_ms": [[n[:160], kernel_kind(n), d / 1e3, calls[n]]
                              for n, d in per_kernel.most_common(top)],
-          "fp8_gemm_by_problem": fp8_gemm_rates(per_kernel, calls)}
+          "fp8_gemm_by_problem": fp8_gemm_rates(per_kernel, calls),
+          "concurrency": concurrency(intervals)}

@@ -28,15 +28,15 @@ def _write_trace(tmp_path, events):
 def test_summary_by_kind_and_in_step_gemm_rates(tmp_path):
   fprop = gemm_kernel_name(16384, 1536, 1536, 128, 1)
   wgrad = gemm_kernel_name(1536, 256, 16384, 128, 4)
-  kernel = lambda name, us, pid=7: {"ph": "X", "pid": pid, "name": name, "dur": us, "ts": 0}
-  _write_trace(tmp_path, [
-      kernel(fprop + "_mosaic_gpu", 100.0), kernel(fprop + "_mosaic_gpu", 100.0),
-      kernel(wgrad, 50.0),
-      kernel("infir2_quantize_tiles_t_16384x1536_mosaic_gpu", 40.0),
-      kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 300.0),
-      kernel("nvjet_tst_192x192_64x4_2x1_v_bz_TNN", 80.0),
-      kernel("loop_multiply_fusion", 30.0),
-      kernel(fprop, 999.0, pid=1),  # a host-side event: not GPU time
+  kernel = lambda name, ts, us, pid=7: {"ph": "X", "pid": pid, "name": name, "ts": ts, "dur": us}
+  _write_trace(tmp_path, [  # one after another, but for a copy that runs beside the wgrad
+      kernel(fprop + "_mosaic_gpu", 0, 100.0), kernel(fprop + "_mosaic_gpu", 100, 100.0),
+      kernel(wgrad, 200, 50.0),
+      kernel("infir2_quantize_tiles_t_16384x1536_mosaic_gpu", 250, 40.0),
+      kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 290, 300.0),
+      kernel("nvjet_tst_192x192_64x4_2x1_v_bz_TNN", 590, 80.0),
+      kernel("loop_multiply_fusion", 230, 30.0),
+      kernel(fprop, 0, 999.0, pid=1),  # a host-side event: not GPU time
   ])
   summary = profile_summary.summarize_trace(str(tmp_path))
   assert summary["ms_by_kind"] == pytest.approx({
@@ -49,6 +49,12 @@ def test_summary_by_kind_and_in_step_gemm_rates(tmp_path):
   assert rows[(16384, 1536, 1536)]["tflops"] == pytest.approx(2 * 2 * 16384 * 1536**2 / 200e-6 / 1e12)
   assert rows[(1536, 256, 16384)]["split_k"] == 4
   assert [r["ms"] for r in summary["fp8_gemm_by_problem"]] == [0.2, 0.05]  # slowest first
+  # The fusion (230-260 us) overlaps the wgrad's last 20 us and the quantization's first 10.
+  overlap = summary["concurrency"]
+  assert overlap["summed_ms"] == pytest.approx(0.70)
+  assert overlap["busy_ms"] == pytest.approx(0.67)
+  assert overlap["overlapped_ms_by_kind"] == pytest.approx(
+      {"pallas_fp8_gemm": 0.02, "pallas_quantize": 0.01, "other": 0.03})
 
 
 def test_missing_trace_is_reported(tmp_path):
