@@ -41,7 +41,9 @@ def _parse():
   p.add_argument("--config", default="configs/1p5b.py")
   p.add_argument("--recipes", default="bf16,fp8_tensorwise,infir2",
                  help="variants: a recipe, with ~a.b=v overrides of its own, e.g. "
-                      "infir2~precision.backend=xla; @SEQ runs it at that seq_len only")
+                      "infir2~precision.backend=xla, or XLA flags for its process, e.g. "
+                      "infir2~--xla_gpu_async_copy_min_bytes=1000000000000; @SEQ runs it at "
+                      "that seq_len only")
   p.add_argument("--seq_lens", default="4096")
   p.add_argument("--tokens_per_step", type=int, default=16384)
   p.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warm-up steps)")
@@ -79,9 +81,15 @@ def _batches(cfg, count: int, shuffle_seed: int, data: str):
 
 
 def split_label(label: str) -> tuple[str, list[str]]:
-  """"infir2~precision.backend=xla" -> ("infir2", ["precision.backend=xla"])."""
+  """"infir2~precision.backend=xla" -> ("infir2", ["precision.backend=xla"]); XLA flags
+  ("infir2~--xla_gpu_async_copy_min_bytes=1000000000000") are left out (see xla_flags_of)."""
   recipe, *overrides = label.split("~")
-  return recipe, overrides
+  return recipe, [o for o in overrides if not o.startswith("--xla")]
+
+
+def xla_flags_of(label: str) -> list[str]:
+  """The XLA flags a label adds to its child's XLA_FLAGS ("~--xla_..." parts)."""
+  return [o for o in label.split("~")[1:] if o.startswith("--xla")]
 
 
 def run_one(args, label: str, seq_len: int) -> dict:
@@ -215,7 +223,10 @@ def main():
     cmd = [sys.executable, __file__, "--child", tag] + [
         a for a in sys.argv[1:] if not a.startswith("--out")]
     with tempfile.TemporaryFile("w+") as log:  # a file (pipes can block), removed on close
-      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+      env = dict(os.environ)
+      if xla_flags_of(label):
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla_flags_of(label)]).strip()
+      proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
       t0 = time.perf_counter()
       try:
         proc.wait(timeout=args.variant_timeout_s)
