@@ -98,6 +98,45 @@ def test_resume_after_interruption_is_bit_identical(tmp_path, monkeypatch):
     assert got[step] == expected[step], (step, got[step], expected[step])
 
 
+def _train_until_killed_after(step, cfg, workdir, monkeypatch):
+  """Runs `cfg` in `workdir` and stops it right after its checkpoint at `step`."""
+  save = checkpoint_lib.Checkpointer.save
+
+  def save_then_die(self, at, state, data_iterator):
+    save(self, at, state, data_iterator)
+    if at == step:
+      self.wait()
+      raise _Killed()
+
+  monkeypatch.setattr(checkpoint_lib.Checkpointer, "save", save_then_die)
+  with pytest.raises(_Killed):
+    train(cfg, workdir)
+  monkeypatch.setattr(checkpoint_lib.Checkpointer, "save", save)
+
+
+@pytest.mark.slow
+def test_resume_on_another_mesh(tmp_path, monkeypatch):
+  """A checkpoint written on one mesh (data 2 x fsdp 2 x tensor 2) resumes on another (data
+  8): orbax reshards it into the new layout, and steps 5-8 follow the data-8 run that never
+  stopped, to f32 reduction-order differences (a restart would repeat step 1's loss, ~0.5
+  higher than step 5's)."""
+  plain = {"eval.every_steps": 0}
+  full = str(tmp_path / "full")
+  train(tiny_config(**plain), full)
+
+  moved = str(tmp_path / "moved")
+  _train_until_killed_after(
+      4, tiny_config(**plain, **{"mesh.fsdp": 2, "mesh.tensor": 2}), moved, monkeypatch)
+  assert max(train_losses(moved)) == 4
+  train(tiny_config(**plain), moved)
+
+  expected, got = train_losses(full), train_losses(moved)
+  assert sorted(got) == list(range(1, 9))
+  assert expected[1] - expected[5] > 0.3  # so a restart could not pass the check below
+  for step in range(5, 9):
+    assert got[step] == pytest.approx(expected[step], rel=1e-3), (step, got[step], expected[step])
+
+
 def test_nan_loss_stops_with_the_last_good_checkpoint(tmp_path):
   workdir = str(tmp_path)
   cfg = tiny_config(**{"opt.lr": 1e30, "opt.warmup_steps": 0, "checkpoint.every_steps": 1,
