@@ -23,6 +23,7 @@ Results are written after every variant, so a run cut short keeps what it measur
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -119,24 +120,26 @@ def run_one(args, label: str, seq_len: int) -> dict:
            and seq_len == max(int(s) for s in args.seq_lens.split(",")))
   noise_batches = _batches(cfg, total_steps, 1, args.data) if noise else None
   print(f"COMPILED in {compile_s:.1f} s", flush=True)
-  def train(batches):
+  from infir2_jax.benchtools import GpuTelemetry
+  telemetry = GpuTelemetry()  # SM clock and power over the steps (not the idle init compile)
+
+  def train(batches, sampled=contextlib.nullcontext()):
     t0 = time.perf_counter()
     state, _ = sharding_lib.sharded_init(init_fn, optimizer, mesh, rules, jax.random.key(0))
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t0
     device_batches = [jax.device_put(b, batch_sharding) for b in batches]
     losses, times = [], []
-    for i, batch in enumerate(device_batches):
-      t0 = time.perf_counter()
-      state, metrics = compiled(state, batch)
-      losses.append(float(metrics["loss"]))  # blocks: one step's wall time
-      if i >= WARMUP_STEPS:
-        times.append(time.perf_counter() - t0)
+    with sampled:
+      for i, batch in enumerate(device_batches):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        losses.append(float(metrics["loss"]))  # blocks: one step's wall time
+        if i >= WARMUP_STEPS:
+          times.append(time.perf_counter() - t0)
     return state, losses, times, init_s, device_batches[-1]
 
-  from infir2_jax.benchtools import GpuTelemetry
-  with GpuTelemetry() as telemetry:  # SM clock and power while this variant trains
-    state, losses, times, init_s, last_batch = train(host_batches)
+  state, losses, times, init_s, last_batch = train(host_batches, telemetry)
   trace_dir = ""
   if args.profile_dir:
     trace_dir = os.path.join(args.profile_dir, f"{label.replace('~', '_')}_{seq_len}")
@@ -223,9 +226,9 @@ def main():
     cmd = [sys.executable, __file__, "--child", tag] + [
         a for a in sys.argv[1:] if not a.startswith("--out")]
     with tempfile.TemporaryFile("w+") as log:  # a file (pipes can block), removed on close
-      env = dict(os.environ)
-      if xla_flags_of(label):
-        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla_flags_of(label)]).strip()
+      env, flags = dict(os.environ), xla_flags_of(label)
+      if flags:
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
       proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
       t0 = time.perf_counter()
       try:

@@ -6,7 +6,8 @@ import gzip
 import json
 import os
 
-from infir2_jax.kernels.gemm import parse_gemm_kernel_name
+from infir2_jax.kernels.gemm import KERNEL_NAME as GEMM_KERNEL, parse_gemm_kernel_name
+from infir2_jax.kernels.quantize import KERNEL_NAME as QUANTIZE_KERNEL
 
 GEMM_KEYS = ("gemm", "cublas", "cutlass", "xmma", "sm90", "nvjet", "matmul", "dot")
 ATTENTION_KEYS = ("fmha", "flash", "cudnn", "attention", "sdpa")
@@ -18,9 +19,9 @@ def kernel_kind(name: str) -> str:
   name = name.lower()
   if any(s in name for s in ATTENTION_KEYS):
     return "attention"
-  if "infir2_fp8_gemm" in name:  # our kernels' names (kernels/gemm.py, quantize.py)
+  if GEMM_KERNEL in name:  # our kernels' names (kernels/gemm.py, quantize.py)
     return "pallas_fp8_gemm"
-  if "infir2_quantize" in name:
+  if QUANTIZE_KERNEL in name:
     return "pallas_quantize"
   if any(s in name for s in PALLAS_KEYS):
     return "pallas_fp8"

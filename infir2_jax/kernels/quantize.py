@@ -183,11 +183,14 @@ def _round_up(a: int, b: int) -> int:
   return -(-a // b) * b
 
 
+KERNEL_NAME = "infir2_quantize"
+
+
 def quantize_kernel_name(shape, blocks: bool, with_transpose: bool) -> str:
   """The kernel's name in profiles: layout and (padded) shape, e.g.
   infir2_quantize_tiles_t_16384x1536 (1x128 tiles plus the token-axis tiles)."""
   kind = "blocks" if blocks else "tiles"
-  return f"infir2_quantize_{kind}{'_t' if with_transpose else ''}_{shape[0]}x{shape[1]}"
+  return f"{KERNEL_NAME}_{kind}{'_t' if with_transpose else ''}_{shape[0]}x{shape[1]}"
 
 
 @functools.lru_cache(maxsize=None)
