@@ -106,3 +106,28 @@ def test_quantize_then_gemm_end_to_end():
   assert cpu._rel_err(out, cpu._numpy_f64(*ops)) < F32_TOL
   exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
   assert cpu._rel_err(out, exact) < 0.1  # quantization error of e4m3, for scale
+
+
+@pytest.mark.parametrize("remat", ["save_dots", "save_dots_fp8"])
+def test_scanned_remat_step_runs_each_fp8_gemm_once(remat):
+  """The compiled gradient of a scanned, rematerialized model holds 21 FP8 GEMMs per layer
+  body (7 fprop + 7 dgrad + 7 wgrad), none cloned into a dynamic-slice fusion. Before the
+  fprop outputs passed an optimization barrier, XLA:GPU cloned the 6 saved ones: 27."""
+  import dataclasses
+  import re
+  import flax.linen as nn
+  from infir2_jax.model import ModelConfig, Qwen2
+  from infir2_jax.precision import PrecisionConfig, make_dot_general_factory
+  cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=128, remat=remat, scan_layers=True)
+  model = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(recipe="infir2",
+                                                              backend="pallas")))
+  tokens = jnp.zeros((2, 1024), jnp.int32)
+  params = nn.unbox(Qwen2(dataclasses.replace(cfg, scan_layers=False))
+                    .init(jax.random.key(0), tokens)["params"])
+  grad = jax.grad(lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2))
+  text = jax.jit(grad).lower(params, tokens).compile().as_text()
+  calls = [l for l in text.splitlines() if "custom-call(" in l and gemm.KERNEL_NAME in l]
+  assert len(calls) == 21, len(calls)
+  fused = re.findall(r"%dynamic-slice-fusion[\w.]* \(.*?\n}\n", text, re.S)
+  assert not any(gemm.KERNEL_NAME in f for f in fused)

@@ -144,3 +144,42 @@ def test_per_shard_gemms_keep_the_policy(fake_pallas, scan_layers):
   assert counts["shard_map"] > 0, "the projections did not run per shard"
   per_layer = 3 * PROJECTIONS_PER_LAYER * (1 if scan_layers else CFG.num_layers)
   assert counts["fake_fp8_gemm"] == per_layer + 3, counts  # + the LM head's three
+
+
+def _barrier_fed_gemms(jaxpr: Jaxpr) -> tuple[int, int]:
+  """(FP8 GEMMs, of which feed an optimization_barrier directly), through nested jaxprs."""
+  gemm_outs, fed, total = set(), set(), 0
+  def walk(j):
+    nonlocal total
+    for eqn in j.eqns:
+      if eqn.primitive.name == "fake_fp8_gemm":
+        total += 1
+        gemm_outs.update(id(v) for v in eqn.outvars)
+      if eqn.primitive.name == "optimization_barrier":
+        fed.update(id(v) for v in eqn.invars if id(v) in gemm_outs)
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          if isinstance(sub, Jaxpr):
+            walk(sub)
+          elif hasattr(sub, "jaxpr") and isinstance(sub.jaxpr, Jaxpr):
+            walk(sub.jaxpr)
+  walk(jaxpr)
+  return total, len(fed)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_fprop_kernel_outputs_pass_an_optimization_barrier(fake_pallas, scan_layers):
+  """The saved fprop outputs leave the kernel through an optimization barrier; the dgrad and
+  wgrad outputs do not. Without it XLA:GPU's dynamic-slice fusion cloned every saved FP8
+  GEMM into the scan's stacking update: 27 GEMMs per layer instead of 21 on the H200
+  (tests/test_kernels_gpu.py counts them in the compiled step)."""
+  _, params, tokens = _grad_fn("save_dots")
+  dot_general = make_dot_general("infir2", backend="pallas")
+  model = Qwen2(dataclasses.replace(CFG, remat="save_dots", scan_layers=scan_layers),
+                lambda path: dot_general)
+  forward = jax.make_jaxpr(lambda p, t: model.apply({"params": p}, t))(params, tokens).jaxpr
+  fprops, fed = _barrier_fed_gemms(forward)
+  assert fprops > 0 and fed == fprops, (fprops, fed)
+  loss = lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2)
+  total, fed = _barrier_fed_gemms(jax.make_jaxpr(jax.grad(loss))(params, tokens).jaxpr)
+  assert total == 3 * fprops and fed == fprops, (total, fprops, fed)

@@ -129,7 +129,8 @@ def _fprop(plan: _Plan, x_MxK, w_NxK, xt_spec=None):
     xq, xt = _quantize_rows(plan, x_MxK, spec.lhs, xt_spec)
     wq = _quantize_weight(plan, w_NxK, spec.rhs)
     y_MxN = gemm.matmul_nt(xq, wq, out_dtype=_dtype(spec.out_dtype, plan.out_dtype),
-                           backend=plan.backend, fast_accum=spec.fast_accum)
+                           backend=plan.backend, fast_accum=spec.fast_accum,
+                           isolate_kernel_output=True)  # saved under remat: see matmul_nt
     y_MxN = y_MxN.astype(plan.out_dtype)
   fstats = None
   if plan.telemetry:

@@ -171,7 +171,7 @@ def _one_k_block(t: Operand) -> bool:
 
 
 def matmul_nt(a: Operand, b: Operand, *, out_dtype, backend: str = "auto",
-              fast_accum: bool = False) -> jax.Array:
+              fast_accum: bool = False, isolate_kernel_output: bool = False) -> jax.Array:
   """out[M, N] = a[M, K] . b[N, K]^T with f32 accumulation, on the best available path.
 
   Args:
@@ -179,6 +179,13 @@ def matmul_nt(a: Operand, b: Operand, *, out_dtype, backend: str = "auto",
     out_dtype: dtype of the result.
     backend: "auto" | "xla" | "pallas" (see module docstring).
     fast_accum: allow non-promoting FP8 accumulation on the native FP8 path.
+    isolate_kernel_output: pass the Pallas kernel's result through an optimization barrier.
+      For outputs a scanned, rematerialized layer saves for the backward pass (the fprop):
+      XLA:GPU's dynamic-slice fusion otherwise fuses the kernel into the dynamic-update-slice
+      that stacks the saved value, and because the value has other users it CLONES the
+      custom call: every saved FP8 GEMM ran twice per step (756 instead of 588 GEMMs in the
+      1.5B step, +31 ms of 519; benchmarks/NOTES_e2e.md, session 6). The barrier costs
+      nothing at run time; the stacking becomes an ordinary (async) copy.
   """
   if a.shape[1] != b.shape[1] or len(a.shape) != 2 or len(b.shape) != 2:
     raise ValueError(f"matmul_nt needs a [M, K] and b [N, K], got {a.shape} and {b.shape}")
@@ -188,7 +195,8 @@ def matmul_nt(a: Operand, b: Operand, *, out_dtype, backend: str = "auto",
       if kernels is not None:
         (m, k), n = a.shape, b.shape[0]
         if kernels.supports(m, n, k, a.q.dtype, b.q.dtype, b.scale.shape, out_dtype):
-          return kernels.block_scaled_matmul(a.q, a.scale, b.q, b.scale, out_dtype=out_dtype)
+          out = kernels.block_scaled_matmul(a.q, a.scale, b.q, b.scale, out_dtype=out_dtype)
+          return lax.optimization_barrier(out) if isolate_kernel_output else out
         if backend == "pallas":
           raise ValueError(
               f"backend='pallas': the kernel does not support a {a.q.dtype}{a.shape} x "
