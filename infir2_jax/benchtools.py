@@ -151,7 +151,10 @@ class GpuTelemetry:
   """
   FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
 
-  def __init__(self, interval_ms: int = 100, gpu_index: int = 0, executable: str = "nvidia-smi"):
+  def __init__(self, interval_ms: int = 100, gpu_index: "int | None" = None,
+               executable: str = "nvidia-smi"):
+    if gpu_index is None:
+      gpu_index = self.visible_gpu_index()
     self._cmd = [executable, f"--query-gpu={','.join(self.FIELDS)}",
                  "--format=csv,noheader,nounits", f"-lms={interval_ms}", f"-i={gpu_index}"]
     self._proc = None
@@ -180,6 +183,13 @@ class GpuTelemetry:
       self.summary = self.parse(self._out.read())
     self._out.close()
     return False
+
+  @staticmethod
+  def visible_gpu_index() -> "int | str":
+    """The GPU this process computes on, as nvidia-smi numbers it: nvidia-smi ignores
+    CUDA_VISIBLE_DEVICES, so a benchmark pinned to GPU 1 would otherwise sample GPU 0."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return first if first else 0  # an index or a GPU-... UUID; nvidia-smi -i takes both
 
   @classmethod
   def parse(cls, text: str) -> dict:

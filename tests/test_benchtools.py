@@ -38,3 +38,19 @@ def test_missing_nvidia_smi_is_reported_not_raised(tmp_path):
   with GpuTelemetry(executable=os.fspath(tmp_path / "absent")) as telemetry:
     pass
   assert "not available" in telemetry.summary["error"]
+
+
+@pytest.mark.parametrize("visible,expected", [(None, "-i=0"), ("1", "-i=1"), ("3,2", "-i=3")])
+def test_samples_the_gpu_the_process_computes_on(tmp_path, monkeypatch, visible, expected):
+  """nvidia-smi ignores CUDA_VISIBLE_DEVICES: a run pinned to GPU 1 must ask for GPU 1."""
+  if visible is None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+  else:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+  fake = tmp_path / "nvidia-smi"
+  args_file = tmp_path / "args"
+  fake.write_text(f'#!/bin/sh\necho "$@" > {args_file}\necho "1410, 500.0, 55"\n')
+  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  with GpuTelemetry(interval_ms=20, executable=str(fake)):
+    time.sleep(0.2)
+  assert expected in args_file.read_text().split()
