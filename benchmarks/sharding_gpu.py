@@ -346,6 +346,7 @@ def main(argv=None) -> int:
     kind, spec = args.child[0], json.loads(args.child[1])
     if kind == "train" and not spec["tiny"]:  # runs after the first reuse its init compile
       from infir2_jax import runtime
+      runtime.default_memory_fraction()
       runtime.enable_compilation_cache()
     print("RESULT " + json.dumps(train_one(spec) if kind == "train" else aot_one(spec)),
           flush=True)

@@ -197,6 +197,7 @@ def main():
   if args.child:
     label, seq_len = args.child.rsplit(":", 1)
     from infir2_jax import runtime  # variants after the first reuse the init's compile
+    runtime.default_memory_fraction()  # as `python -m infir2_jax.train` (runtime.initialize)
     runtime.enable_compilation_cache()
     print("RESULT " + json.dumps(run_one(args, label, int(seq_len))), flush=True)
     return

@@ -109,11 +109,13 @@ def _flag(holder):
 
 def initialize(*, coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, local_device_ids=None) -> None:
-  """Joins a multi-process job when one is configured, and enables the compilation cache.
+  """Joins a multi-process job when one is configured, lets the GPU allocator take 95% of
+  device memory (default_memory_fraction), and enables the compilation cache.
 
   Call before any JAX computation. Arguments default to this module's flags (when parsed),
   then the environment (see the module docstring). Idempotent.
   """
+  default_memory_fraction()
   cfg = distributed_config(
       coordinator_address=coordinator_address or _flag(_COORDINATOR),
       num_processes=num_processes if num_processes is not None else _flag(_NUM_PROCESSES),
@@ -129,6 +131,19 @@ def initialize(*, coordinator_address: str | None = None, num_processes: int | N
     logging.info("joined a %d-process job (from %s) as process %d with %d local devices",
                  jax.process_count(), cfg.source, jax.process_index(), jax.local_device_count())
   enable_compilation_cache()
+
+
+DEFAULT_MEMORY_FRACTION = "0.95"
+
+
+def default_memory_fraction() -> str:
+  """Sets XLA_PYTHON_CLIENT_MEM_FRACTION to 0.95 unless the user set it; returns its value.
+
+  JAX's allocator takes 75% of GPU memory by default. A step that needs more fails with
+  RESOURCE_EXHAUSTED although it fits the card: the 1.5B step at remat=none (2 x 8192) needs
+  102 GiB, the H200's 75% is 104 GiB, and the allocation of its 76-GiB temporary failed
+  (benchmarks/NOTES_e2e.md, session 6). Takes effect only before the first GPU computation."""
+  return os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEMORY_FRACTION)
 
 
 def enable_compilation_cache() -> str:
