@@ -184,6 +184,7 @@ def test_data_process_index_assembles_the_global_batch_on_every_mesh(tmp_path):
 
 def test_gpu_allocator_gets_95_percent_unless_the_user_chose(monkeypatch):
   """JAX's 75% default made the 1.5B remat=none step (102 GiB) fail on a 141-GB H200."""
+  monkeypatch.setenv("INFIR2_COMPILATION_CACHE", "")  # no cache switched on in this process
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "unset")  # restored after the test
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
   runtime.initialize()
