@@ -28,7 +28,7 @@ def main():
   p.add_argument("--variants", default=",".join(f"{r}:{b}" for r, b in VARIANTS))
   p.add_argument("--override", action="append", default=[])
   args = p.parse_args()
-  dump = os.path.join("/tmp", "infir2_hlo_dump")
+  dump = os.path.join("/tmp", f"infir2_hlo_dump_{os.getpid()}")  # runs side by side
   shutil.rmtree(dump, ignore_errors=True)
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
