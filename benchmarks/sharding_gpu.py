@@ -26,6 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 H200_BYTES = 141e9
+DEFAULT_POOL_FRACTION = "0.95"  # = infir2_jax.runtime.DEFAULT_MEMORY_FRACTION (no jax import here)
 MESH_NAMES = ("data", "fsdp", "tensor")
 
 
@@ -202,6 +203,10 @@ def aot_one(spec: dict) -> dict:
           "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "params": cfg.model.num_params(),
           "compile_s": time.perf_counter() - t0, "memory_analysis": memory,
           "fits_141GB": memory.get("total_bytes", math.inf) <= H200_BYTES,
+          # what JAX's allocator may hand out: XLA_PYTHON_CLIENT_MEM_FRACTION of the card
+          # (runtime.default_memory_fraction sets 0.95; JAX's own default 0.75 is smaller)
+          "fits_allocator_pool": memory.get("total_bytes", math.inf) <= H200_BYTES * float(
+              os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_POOL_FRACTION)),
           "fp8_alignment_problems": problems,
           "overrides": list(spec.get("overrides", ())), "remat": cfg.model.remat}
 
@@ -309,7 +314,8 @@ def print_table(results: list[dict]) -> None:
     step = f"{r['median_step_s'] * 1e3:8.1f}" if "median_step_s" in r else "       -"
     tok = f"{r['tokens_per_s']:9.0f}" if "tokens_per_s" in r else "        -"
     tf = f"{r['model_tflops_per_device']:11.1f}" if "model_tflops_per_device" in r else " " * 11
-    note = (f"fits 141 GB: {r['fits_141GB']} ({r['how']})" if r["kind"] == "aot"
+    note = (f"fits 141 GB: {r['fits_141GB']}, the allocator's pool: "
+            f"{r.get('fits_allocator_pool')} ({r['how']})" if r["kind"] == "aot"
             else f"fp8 misaligned: {len(r['fp8_alignment_problems'])}")
     print(f"{r['kind']:5} {os.path.basename(r['config']):16} {r['recipe']:8} {mesh:10} {step} "
           f"{tok} {tf}     {gb(max(peaks)) if peaks else '      -'}    "
