@@ -26,7 +26,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 H200_BYTES = 141e9
-DEFAULT_POOL_FRACTION = "0.95"  # = infir2_jax.runtime.DEFAULT_MEMORY_FRACTION (no jax import here)
 MESH_NAMES = ("data", "fsdp", "tensor")
 
 
@@ -178,6 +177,7 @@ def aot_one(spec: dict) -> dict:
   import flax.linen as nn
   import jax
   from infir2_jax import benchtools, sharding
+  from infir2_jax.runtime import DEFAULT_MEMORY_FRACTION
   mesh_shape = tuple(spec["mesh"])
   cfg = load_config(spec["config"], tiny=spec["tiny"], recipe=spec["recipe"],
                     seq_len=spec["seq_len"], batch_size=spec["batch_size"], mesh=mesh_shape,
@@ -198,15 +198,16 @@ def aot_one(spec: dict) -> dict:
     compiled = _jit_step(cfg, mesh, rules, model, optimizer, shardings).lower(
         structs, batch).compile()
   memory = memory_analysis_dict(compiled)
+  needed = memory.get("total_bytes", math.inf)
   return {"kind": "aot", "config": spec["config"], "recipe": cfg.precision.recipe,
           "mesh": dict(zip(MESH_NAMES, mesh_shape)), "devices": len(devices), "how": how,
           "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "params": cfg.model.num_params(),
           "compile_s": time.perf_counter() - t0, "memory_analysis": memory,
-          "fits_141GB": memory.get("total_bytes", math.inf) <= H200_BYTES,
+          "fits_141GB": needed <= H200_BYTES,
           # what JAX's allocator may hand out: XLA_PYTHON_CLIENT_MEM_FRACTION of the card
           # (runtime.default_memory_fraction sets 0.95; JAX's own default 0.75 is smaller)
-          "fits_allocator_pool": memory.get("total_bytes", math.inf) <= H200_BYTES * float(
-              os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_POOL_FRACTION)),
+          "fits_allocator_pool": needed <= H200_BYTES * float(
+              os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEMORY_FRACTION)),
           "fp8_alignment_problems": problems,
           "overrides": list(spec.get("overrides", ())), "remat": cfg.model.remat}
 

@@ -61,15 +61,20 @@ def fake_pallas(monkeypatch):
   monkeypatch.setattr(gemm, "pallas_kernels", lambda backend: _FAKE_KERNELS)
 
 
-def _count_primitives(jaxpr: Jaxpr, counts: collections.Counter) -> collections.Counter:
+def _all_eqns(jaxpr: Jaxpr):
+  """Every equation of `jaxpr` and of the jaxprs nested in its equations' params."""
   for eqn in jaxpr.eqns:
-    counts[eqn.primitive.name] += 1
+    yield eqn
     for param in eqn.params.values():
       for sub in param if isinstance(param, (tuple, list)) else (param,):
         if isinstance(sub, Jaxpr):
-          _count_primitives(sub, counts)
+          yield from _all_eqns(sub)
         elif hasattr(sub, "jaxpr") and isinstance(sub.jaxpr, Jaxpr):
-          _count_primitives(sub.jaxpr, counts)
+          yield from _all_eqns(sub.jaxpr)
+
+
+def _count_primitives(jaxpr: Jaxpr, counts: collections.Counter) -> collections.Counter:
+  counts.update(eqn.primitive.name for eqn in _all_eqns(jaxpr))
   return counts
 
 
@@ -149,21 +154,12 @@ def test_per_shard_gemms_keep_the_policy(fake_pallas, scan_layers):
 def _barrier_fed_gemms(jaxpr: Jaxpr) -> tuple[int, int]:
   """(FP8 GEMMs, of which feed an optimization_barrier directly), through nested jaxprs."""
   gemm_outs, fed, total = set(), set(), 0
-  def walk(j):
-    nonlocal total
-    for eqn in j.eqns:
-      if eqn.primitive.name == "fake_fp8_gemm":
-        total += 1
-        gemm_outs.update(id(v) for v in eqn.outvars)
-      if eqn.primitive.name == "optimization_barrier":
-        fed.update(id(v) for v in eqn.invars if id(v) in gemm_outs)
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-          if isinstance(sub, Jaxpr):
-            walk(sub)
-          elif hasattr(sub, "jaxpr") and isinstance(sub.jaxpr, Jaxpr):
-            walk(sub.jaxpr)
-  walk(jaxpr)
+  for eqn in _all_eqns(jaxpr):  # a producer comes before its consumers
+    if eqn.primitive.name == "fake_fp8_gemm":
+      total += 1
+      gemm_outs.update(id(v) for v in eqn.outvars)
+    if eqn.primitive.name == "optimization_barrier":
+      fed.update(id(v) for v in eqn.invars if id(v) in gemm_outs)
   return total, len(fed)
 
 

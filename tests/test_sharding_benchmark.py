@@ -26,6 +26,7 @@ def test_tiny_cpu_rehearsal_writes_train_and_aot_results(tmp_path):
   assert train["devices"] == 2 and len(train["step_times_s"]) == 2
   assert train["median_step_s"] > 0 and all(l > 0 for l in train["losses"])
   assert train["memory_analysis"]["total_bytes"] > 0 and train["fp8_alignment_problems"] == []
-  assert aot["kind"] == "aot" and aot["devices"] == 8 and aot["fits_141GB"] and aot["fits_allocator_pool"]
+  assert aot["kind"] == "aot" and aot["devices"] == 8
+  assert aot["fits_141GB"] and aot["fits_allocator_pool"]
   assert aot["mesh"] == {"data": 1, "fsdp": 2, "tensor": 4}
   assert aot["memory_analysis"]["argument_size_in_bytes"] > 0
