@@ -16,6 +16,8 @@ once, time / N), so operands are not L2-resident from the previous call, as in a
 GEMM time, ours came out 22% faster than in the step, see NOTES_e2e.md).
 """
 import argparse
+import ast
+import dataclasses
 import json
 import math
 import sys
@@ -131,6 +133,31 @@ def rotating_ms(fn, arg_sets, iters):
   return benchtools.device_ms(over_sets, (arg_sets,), iters) / len(arg_sets)
 
 
+def parse_variant(text):
+  """'cross_tile=False;epi_n=64' -> {'cross_tile': False, 'epi_n': 64} (TuningConfig fields)."""
+  fields = {f.name for f in dataclasses.fields(gemm.TuningConfig)}
+  out = {}
+  for item in filter(None, text.split(";")):
+    key, _, value = item.partition("=")
+    if key not in fields:
+      raise ValueError(f"--variants: {key!r} is not a TuningConfig field ({sorted(fields)})")
+    out[key] = ast.literal_eval(value)
+  return out
+
+
+def config_for(cfg, m, n, k):
+  """None (the library's default_config), a TuningConfig, or overrides of default_config."""
+  if isinstance(cfg, dict):
+    return dataclasses.replace(gemm.default_config(m, n, k), **cfg)
+  return cfg
+
+
+def config_label(cfg):
+  if isinstance(cfg, dict):
+    return "default+" + ";".join(f"{k}={v}" for k, v in cfg.items())
+  return str(cfg)
+
+
 def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True, rotate=1):
   flops = 2.0 * m * n * k
   x, w_t, a_q, a_s, b_q, b_s = make_operands(m, n, k, kind, seed)
@@ -143,20 +170,24 @@ def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True,
   tflops = lambda ms: flops / (ms * 1e-3) / 1e12
   ours = {}
   for cfg in configs:
-    print(f"compiling ours {label} {cfg}", flush=True)
-    f = jax.jit(lambda *a, cfg=cfg: kernels.block_scaled_matmul(*a, config=cfg))
+    name = config_label(cfg)
+    print(f"compiling ours {label} {name}", flush=True)
+    f = jax.jit(lambda *a, c=config_for(cfg, m, n, k): kernels.block_scaled_matmul(*a, config=c))
     try:
       ms = rotating_ms(f, fp8_sets, iters)
-      ours[str(cfg)] = {"ms": ms, "tflops": tflops(ms)}
+      ours[name] = {"ms": ms, "tflops": tflops(ms)}
     except Exception as e:  # noqa: BLE001 - record and continue with the next config
-      ours[str(cfg)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-      print(f"  {label} {cfg}: {ours[str(cfg)]['error']}", flush=True)
+      ours[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+      print(f"  {label} {name}: {ours[name]['error']}", flush=True)
   timed = {c: v for c, v in ours.items() if "ms" in v}
   row["ours_by_config"] = ours
   if timed:
     best_cfg = min(timed, key=lambda c: timed[c]["ms"])
-    row["ours"] = dict(timed[best_cfg], config=best_cfg)
-    cfg = next(c for c in configs if str(c) == best_cfg)  # may be None (default_config)
+    row["best_of_configs"] = dict(timed[best_cfg], config=best_cfg)
+    # "ours" is what the library runs (default_config) whenever that was timed.
+    ours_cfg = "None" if "None" in timed else best_cfg
+    row["ours"] = dict(timed[ours_cfg], config=ours_cfg)
+    cfg = config_for(next(c for c in configs if config_label(c) == ours_cfg), m, n, k)
     out = jax.jit(lambda *a: kernels.block_scaled_matmul(*a, config=cfg))(a_q, a_s, b_q, b_s)
     rows = np.unique(np.concatenate([np.random.default_rng(seed).integers(0, m, 32), [0, m - 1]]))
     row["rel_err_vs_f64"] = rel_err_f64(out, a_q, a_s, b_q, b_s, rows)
@@ -179,6 +210,7 @@ def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True,
     if "ours" in row:
       base = row["xla_bf16"]["ms"]
       row["speedup_vs_xla_bf16"] = base / row["ours"]["ms"]
+      row["speedup_vs_xla_bf16_by_config"] = {c: base / v["ms"] for c, v in timed.items()}
       row["xla_fp8_tensorwise_vs_xla_bf16"] = base / row["xla_fp8_tensorwise"]["ms"]
   row["operand_sets_rotated"] = rotate
   return row
@@ -198,6 +230,13 @@ def summarize(rows, shapes_by_model):
         ratios += [r["speedup_vs_xla_bf16"]] * len(names)  # each linear of the layer counts
     summary[f"{model}_geomean_speedup_vs_xla_bf16"] = geomean(ratios)
     summary[f"{model}_gemms_measured"] = len(ratios)
+    by_config = {}
+    for label, *_, names in shapes:
+      r = next((r for r in rows if r["label"] == label), None)
+      for c, x in (r or {}).get("speedup_vs_xla_bf16_by_config", {}).items():
+        by_config.setdefault(c, []).extend([x] * len(names))
+    if len(by_config) > 1:
+      summary[f"{model}_geomean_by_config"] = {c: geomean(xs) for c, xs in by_config.items()}
   r = next((r for r in rows if r["label"] == "square8192" and "speedup_vs_xla_bf16" in r), None)
   summary["square8192_speedup_vs_xla_bf16"] = r and r["speedup_vs_xla_bf16"]
   return summary
@@ -212,6 +251,9 @@ def main(argv):
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--rotate", type=int, default=3,
                  help="operand sets per timed call (L2-cold operands, as in a train step)")
+  p.add_argument("--variants", default="",
+                 help="comma-separated overrides of default_config timed beside it on every"
+                      " shape, e.g. 'cross_tile=False,cross_tile=False;epi_n=None'")
   p.add_argument("--deadline", type=float, default=1e9, help="seconds; skip shapes after")
   args = p.parse_args(argv)
   t0 = time.time()
@@ -224,16 +266,17 @@ def main(argv):
       json.dump(result, f, indent=1)
 
   configs = [None]  # the library's own choice (gemm.default_config)
+  configs += [parse_variant(v) for v in args.variants.split(",") if v]
   if args.sweep:
     row = bench_shape("sweep8192", 8192, 8192, 8192, "block", SWEEP, args.iters, 0,
                       with_baselines=False, rotate=args.rotate)
     result["sweep"] = row
     save()
     timed = [(v["ms"], c) for c in SWEEP if "ms" in (v := row["ours_by_config"][str(c)])]
-    configs = [c for _, c in sorted(timed, key=lambda t: t[0])[:args.top]] + [None]
+    configs = [c for _, c in sorted(timed, key=lambda t: t[0])[:args.top]] + configs
     print("sweep:", {str(c): round(v["tflops"], 1) for c, v in
                      zip(SWEEP, row["ours_by_config"].values()) if "tflops" in v}, flush=True)
-  result["configs_per_shape"] = [str(c) for c in configs]  # "None": gemm.default_config
+  result["configs_per_shape"] = [config_label(c) for c in configs]  # "None": gemm.default_config
   shapes_by_model = {m: gemm_shapes(m) for m in args.models.split(",") if m}
   todo = [("square8192", 8192, 8192, 8192, "block", ["square"])]
   for shapes in shapes_by_model.values():

@@ -65,6 +65,12 @@ def test_reference_matches_float64(kind):
     (72, 264, 136, "row", gemm.TuningConfig(max_concurrent_steps=2, cluster="n", tile_n=192)),
     (136, 72, 648, "row", gemm.TuningConfig(max_concurrent_steps=2, split_k=3)),
     (136, 200, 264, "block", gemm.TuningConfig(max_concurrent_steps=2, epi_n=64)),
+    # One pipeline across each CTA's tiles (the interpreter has 4 CTAs): 2, 4 and 6 K
+    # blocks per tile, 3 or 4 tiles per CTA, tails on every axis.
+    (520, 264, 256, "block", gemm.TuningConfig(max_concurrent_steps=4, cross_tile=True)),
+    (1000, 200, 392, "row", gemm.TuningConfig(max_concurrent_steps=6, cross_tile=True)),
+    (520, 264, 768, "block", gemm.TuningConfig(max_concurrent_steps=2, cross_tile=True,
+                                               epi_n=64)),
 ])
 def test_gemm_interpret_with_tails(m, n, k, kind, config):
   args = _operands(m, n, k, kind, seed=m + n)
@@ -238,6 +244,40 @@ def test_gemm_lowers_for_hopper(config):
     assert (named["m"], named["n"], named["k"]) == (-(-m // 8) * 8, -(-n // 64) * 64,
                                                   -(-k // 128) * 128), (shape, named)
     assert named["split_k"] >= (2 if shape == (1536, 256, 16384) else 1)
+
+
+def test_cross_tile_pipeline_rule():
+  """Auto (None) carries the pipeline across tiles on short K, or where the depth does not
+  shrink; forcing it where it cannot work names the reason."""
+  resolve = gemm.resolve_cross_tile
+  k_dgrad = resolve(gemm.DEFAULT_CONFIG, work_items=128 * 12, ctas=132, k_steps=2)
+  assert k_dgrad.cross_tile and k_dgrad.max_concurrent_steps == 2
+  fprop = resolve(gemm.DEFAULT_CONFIG, work_items=128 * 70, ctas=132, k_steps=12)
+  assert fprop.cross_tile and fprop.max_concurrent_steps == 6
+  # 8192^3: 64 K blocks; carrying it would cut the depth from 6 to 4 stages.
+  square = resolve(gemm.DEFAULT_CONFIG, work_items=64 * 64, ctas=132, k_steps=64)
+  assert not square.cross_tile and square.max_concurrent_steps == 6
+  few_tiles = resolve(gemm.DEFAULT_CONFIG, work_items=200, ctas=132, k_steps=12)
+  assert not few_tiles.cross_tile
+  assert not resolve(gemm.TuningConfig(promotion="paired"), 5000, 132, 12).cross_tile
+  assert not resolve(gemm.DEFAULT_CONFIG, 5000, 132, 1).cross_tile  # K = 128
+  off = resolve(gemm.TuningConfig(cross_tile=False), 5000, 132, 12)
+  assert not off.cross_tile and off.max_concurrent_steps == 4
+  with pytest.raises(ValueError, match="2 tiles per CTA"):
+    resolve(gemm.TuningConfig(cross_tile=True), work_items=200, ctas=132, k_steps=12)
+
+
+def test_gemm_cross_tile_lowers_for_hopper(monkeypatch):
+  """The 1.5B's k/v dgrad (K=256) and gate fprop (K=1536) build with the carried pipeline."""
+  seen = []
+  resolve = gemm.resolve_cross_tile
+  monkeypatch.setattr(gemm, "resolve_cross_tile",
+                      lambda *a: (seen.append(resolve(*a)), seen[-1])[1])
+  for shape in ((16384, 1536, 256), (16384, 8960, 1536)):
+    text = _lower_on_h100(lambda *a: gemm.block_scaled_matmul(*a),
+                          *_gemm_specs(*shape, "block")).as_text()
+    assert "mosaic_gpu" in text
+  assert [c.cross_tile for c in seen] == [True, True], seen
 
 
 def test_gemm_stage_cap_is_needed_and_sufficient(monkeypatch):

@@ -49,6 +49,24 @@ def test_gemm_matches_float64(config, m, n, k, kind):
   assert bool(jnp.all(out == again))
 
 
+@pytest.mark.parametrize("m,n,k,kind", [(16384, 1536, 256, "block"), (4104, 2000, 1000, "row"),
+                                        (16392, 264, 1536, "block")])
+def test_gemm_cross_tile_matches_float64_and_the_per_tile_pipeline(m, n, k, kind):
+  """One pipeline across each CTA's tiles: same sums as without it, bit for bit."""
+  args = cpu._operands(m, n, k, kind, seed=m + n)
+  ref = cpu._numpy_f64(*args)
+  outs = {}
+  for carried in (True, False):
+    cfg = gemm.TuningConfig(max_concurrent_steps=6, epi_n=64, cross_tile=carried)
+    f = jax.jit(lambda *a, cfg=cfg: kernels.block_scaled_matmul(*a, out_dtype=jnp.float32,
+                                                                 config=cfg))
+    outs[carried] = f(*args)
+    assert not bool(jnp.any(jnp.isnan(outs[carried])))
+    assert cpu._rel_err(outs[carried], ref) < F32_TOL
+    assert bool(jnp.all(f(*args) == outs[carried]))  # a moving result would mean a race
+  assert bool(jnp.all(outs[True] == outs[False]))
+
+
 @pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", [
     (E4M3, E4M3, jnp.bfloat16), (E4M3, E5M2, jnp.bfloat16), (E5M2, E5M2, jnp.float32)])
 @pytest.mark.parametrize("m,n,k,kind", [(8, 64, 128, "block"), (4096, 4096, 4096, "block"),

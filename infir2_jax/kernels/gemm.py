@@ -31,6 +31,7 @@ from infir2_jax.kernels.tuning import TuningConfig
 from infir2_jax.kernels.tuning import choose_split_k
 from infir2_jax.kernels.tuning import default_config
 from infir2_jax.kernels.tuning import fit_stages
+from infir2_jax.kernels.tuning import resolve_cross_tile
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -117,7 +118,7 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   col_layout = plgpu.Layout.WGMMA.reduce(0)
 
-  def get_pipeline(body, compute_context):
+  def get_pipeline(body, compute_context, pipeline_state=None):
     # "paired" keeps a step's second wgmma in flight into the next step, so its
     # buffers are released one step late.
     spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM,
@@ -138,6 +139,7 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
         num_compute_wgs=2,
         max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context,
+        pipeline_state=pipeline_state,
     )
 
   ignore = lambda *_, **__: None
@@ -244,8 +246,15 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
         acc = pl.run_scoped(step, plgpu.ACC((tm, tn), jnp.float32))
         return acc, scales_of(sa_smem, sb_smem, 1)
 
+      pipeline_state = None
+      if config.cross_tile:  # this CTA's first tile fills the pipeline, its last drains it
+        stage = plgpu.PipelinePipeline
+        last = loop_info.num_local_steps - 1
+        pipeline_state = jnp.where(
+            loop_info.local_index == 0, int(stage.START),
+            jnp.where(loop_info.local_index == last, int(stage.STOP), int(stage.STEADY)))
       k_slice, kb_slice = pl.ds(si * k_iters * BLOCK, k_iters * BLOCK), pl.ds(si * k_iters, k_iters)
-      get_pipeline(body_paired if kps == 2 else body, compute_context)(
+      get_pipeline(body_paired if kps == 2 else body, compute_context, pipeline_state)(
           a_gmem.at[cta_m_slice, k_slice], b_gmem.at[n_slice, k_slice],
           sa_gmem.at[kb_slice, cta_m_slice], sb_gmem.at[kb_slice, n_slice],
           allocations=pipeline_allocs)
@@ -356,6 +365,10 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
     config = dataclasses.replace(config, promotion="serial")  # odd K blocks per split
   part_dtype = out_dtype if split_k == 1 else jnp.dtype(jnp.float32)
   config = fit_stages(config, part_dtype)
+  clusters = 2 if config.cluster else 1
+  work_items = (_cdiv(mp, (2 if config.cluster == "m" else 1) * config.cta_m)
+                * _cdiv(np_, (2 if config.cluster == "n" else 1) * config.tile_n) * split_k)
+  config = resolve_cross_tile(config, work_items, num_sms // clusters, kb // split_k)
   f = _gemm_kernel(config, per_column, split_k, (split_k, mp, np_), kp, part_dtype, num_sms,
                    interpret)
   out = f(a, b, sa_KbxM, sb_KbxN)

@@ -38,6 +38,13 @@ class TuningConfig:
       (sharing the A tile), which TMA multicasts to both.
     split_k: K splits (f32 partial outputs summed by XLA) for grids with too few
       tiles to fill the GPU, e.g. wgrad; None picks one by a cost model.
+    cross_tile: one TMA pipeline across all tiles of a persistent CTA, so the
+      memory warpgroup loads the next tile's first K blocks while the compute
+      warpgroups finish (and store) the current one. Without it every tile
+      starts with an empty pipeline, which costs most on short K (2 K blocks
+      for the 1.5B's k/v dgrad). Needs a pipeline depth dividing the K blocks
+      per tile and >= 2 tiles per CTA; None: on where that holds without a
+      shallower pipeline (or K blocks per tile <= CROSS_TILE_MAX_K_STEPS).
   """
   tile_m: int = 64
   tile_n: int = 128
@@ -49,6 +56,7 @@ class TuningConfig:
   cluster: str | None = None
   split_k: int | None = None
   epi_n: int | None = None
+  cross_tile: bool | None = None
 
   def __post_init__(self):
     if self.promotion not in PROMOTIONS:
@@ -111,6 +119,37 @@ def default_config(m: int, n: int, k: int) -> TuningConfig:
   if k >= 16384 and 1536 <= min(m, n) <= 2048:
     return TuningConfig(tile_n=192, max_concurrent_steps=4)
   return DEFAULT_CONFIG
+
+
+CROSS_TILE_MAX_K_STEPS = 24  # Short K: worth a shallower pipeline to carry it across tiles.
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+  return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def resolve_cross_tile(config: TuningConfig, work_items: int, ctas: int,
+                       k_steps: int) -> TuningConfig:
+  """Decides config.cross_tile (None: auto) and sets a pipeline depth dividing k_steps.
+
+  A pipeline carried from tile to tile needs (Pallas Mosaic GPU's pipeline_state) a depth
+  that divides the steps of each tile and no delayed release ("paired"); a CTA's first
+  tile starts it and its last tile drains it, so each CTA needs two tiles or more.
+  """
+  depth = _largest_divisor_at_most(k_steps, config.max_concurrent_steps)
+  possible = (config.promotion != "paired" and work_items >= 2 * ctas and depth >= 2)
+  if config.cross_tile is None:
+    on = possible and (depth == min(config.max_concurrent_steps, k_steps)
+                       or k_steps <= CROSS_TILE_MAX_K_STEPS)
+  elif config.cross_tile and not possible:
+    raise ValueError(f"{config}: cross_tile needs promotion != 'paired', >= 2 tiles per CTA"
+                     f" ({work_items} tiles for {ctas} CTAs) and a pipeline depth >= 2"
+                     f" dividing the {k_steps} K steps per tile")
+  else:
+    on = config.cross_tile
+  if not on:
+    return dataclasses.replace(config, cross_tile=False)
+  return dataclasses.replace(config, cross_tile=True, max_concurrent_steps=depth)
 
 
 def fit_stages(config: TuningConfig, out_dtype) -> TuningConfig:
