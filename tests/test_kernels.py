@@ -268,16 +268,26 @@ def test_cross_tile_pipeline_rule():
 
 
 def test_gemm_cross_tile_lowers_for_hopper(monkeypatch):
-  """The 1.5B's k/v dgrad (K=256) and gate fprop (K=1536) build with the carried pipeline."""
+  """The 1.5B's k/v dgrad (K=256), gate fprop and k fprop (K=1536) build with the carried
+  pipeline; k fprop's 256 tiles go to 128 CTAs of two (not 132, 8 of them with one)."""
   seen = []
   resolve = gemm.resolve_cross_tile
   monkeypatch.setattr(gemm, "resolve_cross_tile",
                       lambda *a: (seen.append(resolve(*a)), seen[-1])[1])
-  for shape in ((16384, 1536, 256), (16384, 8960, 1536)):
+  for shape in ((16384, 1536, 256), (16384, 8960, 1536), (16384, 256, 1536)):
     text = _lower_on_h100(lambda *a: gemm.block_scaled_matmul(*a),
                           *_gemm_specs(*shape, "block")).as_text()
     assert "mosaic_gpu" in text
-  assert [c.cross_tile for c in seen] == [True, True], seen
+  assert [c.cross_tile for c in seen] == [True, True, True], seen
+
+
+def test_gemm_pads_arrays_smaller_than_one_tile():
+  """On the H200 an [8, 128] x [64, 128] problem read through a 128-row TMA box gave all
+  zeros; such operands are padded to one whole tile before the kernel sees them."""
+  text = _lower_on_h100(lambda *a: gemm.block_scaled_matmul(*a),
+                        *_gemm_specs(8, 64, 128, "block")).as_text()
+  named = gemm.parse_gemm_kernel_name(text)
+  assert (named["m"], named["n"], named["k"]) == (128, 128, 128), named
 
 
 def test_gemm_stage_cap_is_needed_and_sufficient(monkeypatch):

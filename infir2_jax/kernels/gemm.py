@@ -299,7 +299,7 @@ def parse_gemm_kernel_name(name: str) -> dict | None:
 
 @functools.lru_cache(maxsize=None)
 def _gemm_kernel(config: TuningConfig, per_column: bool, split_k: int, out_shape, k: int,
-                 part_dtype, num_sms: int, interpret: bool):
+                 part_dtype, ctas: int, interpret: bool):
   """The jitted kernel of one static signature, built once.
 
   A model calls the same GEMM shape many times (every layer, fprop/dgrad/wgrad); as one
@@ -310,7 +310,7 @@ def _gemm_kernel(config: TuningConfig, per_column: bool, split_k: int, out_shape
   return jax.jit(plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct(out_shape, part_dtype),
-      grid=(num_sms // (1 + (config.cluster is not None)),),
+      grid=(ctas,),
       grid_names=("sm",),
       cluster=(1 + (config.cluster is not None),),
       cluster_names=("cluster",),
@@ -339,8 +339,9 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
   Returns:
     [M, N] array of out_dtype.
 
-  Any M, N, K works: K is zero-padded to a multiple of 128 and N to 64 (a copy,
-  only when unaligned), M and the tile remainders are masked by TMA. Grids with
+  Any M, N, K works: K is zero-padded to a multiple of 128, N to 64 and M to 8, and
+  either to one whole tile when smaller (a copy, only when unaligned); the tile
+  remainders are masked by TMA. Grids with
   too few tiles for the GPU split K (f32 partials summed by XLA, see TuningConfig).
   """
   kind = check_operands(a_q, a_scale, b_q, b_scale, out_dtype)
@@ -349,8 +350,11 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
   kb = _cdiv(k, BLOCK)
   config = config or default_config(m, n, k)
   # Swizzled TMA needs whole (8, 128)-byte tiles in each array; tiles overhanging
-  # that padding are read as zeros and dropped on write by TMA.
-  mp, np_, kp = _round_up(m, 8), _round_up(n, 64), _round_up(k, BLOCK)
+  # that padding are read as zeros and dropped on write by TMA. An array smaller than
+  # one tile is padded to a whole tile: on the H200 such a TMA box gave all-zero output.
+  mp = max(_round_up(m, 8), config.cta_m)
+  np_ = max(_round_up(n, 64), config.tile_n)
+  kp = _round_up(k, BLOCK)
   a = jnp.pad(a_q, ((0, mp - m), (0, kp - k))) if (mp, kp) != (m, k) else a_q
   b = jnp.pad(b_q, ((0, np_ - n), (0, kp - k))) if (np_, kp) != (n, k) else b_q
   sa_KbxM = jnp.pad(a_scale.T, ((0, 0), (0, mp - m)))
@@ -368,8 +372,12 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
   clusters = 2 if config.cluster else 1
   work_items = (_cdiv(mp, (2 if config.cluster == "m" else 1) * config.cta_m)
                 * _cdiv(np_, (2 if config.cluster == "n" else 1) * config.tile_n) * split_k)
-  config = resolve_cross_tile(config, work_items, num_sms // clusters, kb // split_k)
-  f = _gemm_kernel(config, per_column, split_k, (split_k, mp, np_), kp, part_dtype, num_sms,
+  # As few persistent CTAs (clusters, if any) as give the same number of rounds: each gets an
+  # equal share (+-1), e.g. 256 tiles -> 128 CTAs of 2, not 132 of which 8 have one.
+  rounds = _cdiv(work_items, num_sms // clusters)
+  ctas = _cdiv(work_items, rounds)
+  config = resolve_cross_tile(config, work_items, ctas, kb // split_k)
+  f = _gemm_kernel(config, per_column, split_k, (split_k, mp, np_), kp, part_dtype, ctas,
                    interpret)
   out = f(a, b, sa_KbxM, sb_KbxN)
   out = out[0] if split_k == 1 else jnp.sum(out, axis=0).astype(out_dtype)
