@@ -5,7 +5,8 @@
 Shapes: 8192^3 and every linear of Qwen2.5-1.5B / 7B at 16384 tokens in its fprop
 (M=T, N=out, K=in), dgrad (M=T, N=in, K=out) and wgrad (M=in, N=out, K=T)
 shapes. For each: TFLOP/s of our kernel, of XLA bf16 jnp.dot, of XLA FP8 with
-per-tensor scales (K-major B), and of XLA dequantize-then-bf16, all in the same
+per-tensor scales (K-major B), of XLA dequantize-then-bf16 and (--cublas_blockwise,
+through PyTorch) of cuBLAS's own 1x128 / 128x128 block-scaled GEMM, all in the same
 run; ratios to XLA bf16; ||out - ref|| / ||ref|| of ours against a float64
 reference on sampled rows, on fresh random inputs quantized by the reference
 quantizer. Results are written after every shape.
@@ -31,6 +32,8 @@ import numpy as np
 from infir2_jax import kernels
 from infir2_jax import benchtools
 from infir2_jax.kernels import gemm
+
+import cublas_blockwise  # benchmarks/, next to this script
 
 TOKENS = 16384
 MODELS = {  # linear name -> (in, out); duplicates (k=v, gate=up, q=o) measured once
@@ -134,9 +137,12 @@ def rotating_ms(fn, arg_sets, iters):
 
 
 def parse_variant(text):
-  """'cross_tile=False;epi_n=64' -> {'cross_tile': False, 'epi_n': 64} (TuningConfig fields)."""
+  """'cross_tile=False;epi_n=64' -> {'cross_tile': False, 'epi_n': 64} (TuningConfig fields);
+  'k_proj.wgrad@split_k=4' times the override on the shapes whose label ends so only."""
   fields = {f.name for f in dataclasses.fields(gemm.TuningConfig)}
   out = {}
+  if "@" in text:
+    out["only"], text = text.split("@", 1)
   for item in filter(None, text.split(";")):
     key, _, value = item.partition("=")
     if key not in fields:
@@ -148,8 +154,13 @@ def parse_variant(text):
 def config_for(cfg, m, n, k):
   """None (the library's default_config), a TuningConfig, or overrides of default_config."""
   if isinstance(cfg, dict):
-    return dataclasses.replace(gemm.default_config(m, n, k), **cfg)
+    overrides = {key: v for key, v in cfg.items() if key != "only"}
+    return dataclasses.replace(gemm.default_config(m, n, k), **overrides)
   return cfg
+
+
+def applies(cfg, label):
+  return not isinstance(cfg, dict) or label.endswith(cfg.get("only", ""))
 
 
 def config_label(cfg):
@@ -158,7 +169,8 @@ def config_label(cfg):
   return str(cfg)
 
 
-def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True, rotate=1):
+def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True, rotate=1,
+                cublas=False):
   flops = 2.0 * m * n * k
   x, w_t, a_q, a_s, b_q, b_s = make_operands(m, n, k, kind, seed)
   # more operand sets for the timings only (the error check uses the first)
@@ -169,7 +181,7 @@ def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True,
   row = {"label": label, "M": m, "N": n, "K": k, "b_scale": kind}
   tflops = lambda ms: flops / (ms * 1e-3) / 1e12
   ours = {}
-  for cfg in configs:
+  for cfg in filter(lambda c: applies(c, label), configs):
     name = config_label(cfg)
     print(f"compiling ours {label} {name}", flush=True)
     f = jax.jit(lambda *a, c=config_for(cfg, m, n, k): kernels.block_scaled_matmul(*a, config=c))
@@ -212,6 +224,13 @@ def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True,
       row["speedup_vs_xla_bf16"] = base / row["ours"]["ms"]
       row["speedup_vs_xla_bf16_by_config"] = {c: base / v["ms"] for c, v in timed.items()}
       row["xla_fp8_tensorwise_vs_xla_bf16"] = base / row["xla_fp8_tensorwise"]["ms"]
+    if cublas and "ours" in row:
+      vendor = cublas_blockwise.time_cublas_blockwise(fp8_sets, kind, out, iters)
+      if "ms" in vendor:
+        vendor["tflops"] = tflops(vendor["ms"])
+        row["cublas_blockwise_vs_xla_bf16"] = row["xla_bf16"]["ms"] / vendor["ms"]
+        row["ours_vs_cublas_blockwise"] = vendor["ms"] / row["ours"]["ms"]
+      row["cublas_blockwise"] = vendor
   row["operand_sets_rotated"] = rotate
   return row
 
@@ -237,8 +256,18 @@ def summarize(rows, shapes_by_model):
         by_config.setdefault(c, []).extend([x] * len(names))
     if len(by_config) > 1:
       summary[f"{model}_geomean_by_config"] = {c: geomean(xs) for c, xs in by_config.items()}
+    for key in ("cublas_blockwise_vs_xla_bf16", "ours_vs_cublas_blockwise"):
+      xs = []
+      for label, *_, names in shapes:
+        r = next((r for r in rows if r["label"] == label and key in r), None)
+        xs += [r[key]] * len(names) if r else []
+      if xs:
+        summary[f"{model}_geomean_{key}"] = geomean(xs)
+        summary[f"{model}_gemms_with_{key}"] = len(xs)
   r = next((r for r in rows if r["label"] == "square8192" and "speedup_vs_xla_bf16" in r), None)
   summary["square8192_speedup_vs_xla_bf16"] = r and r["speedup_vs_xla_bf16"]
+  if r is not None and "cublas_blockwise_vs_xla_bf16" in r:
+    summary["square8192_cublas_blockwise_vs_xla_bf16"] = r["cublas_blockwise_vs_xla_bf16"]
   return summary
 
 
@@ -255,6 +284,9 @@ def main(argv):
                  help="comma-separated overrides of default_config timed beside it on every"
                       " shape, e.g. 'cross_tile=False,cross_tile=False;epi_n=None'")
   p.add_argument("--deadline", type=float, default=1e9, help="seconds; skip shapes after")
+  p.add_argument("--cublas_blockwise", type=int, default=1,
+                 help="1: also time cuBLAS's block-scaled FP8 GEMM through PyTorch (vendor"
+                      " baseline, benchmarks/cublas_blockwise.py); needs PyTorch with CUDA")
   args = p.parse_args(argv)
   t0 = time.time()
   result = {"info": benchtools.run_info(["benchmarks/gemm.py", *argv]), "rows": []}
@@ -287,12 +319,13 @@ def main(argv):
       skipped.append(label)
       continue
     row = bench_shape(label, m, n, k, kind, configs, args.iters, seed=i + 1,
-                      rotate=args.rotate)
+                      rotate=args.rotate, cublas=bool(args.cublas_blockwise))
     row["linears"] = names
     result["rows"].append(row)
     print(f"{label:28s} M={m:6d} N={n:6d} K={k:6d} ours={row.get('ours', {}).get('tflops', 0):7.1f}"
           f" bf16={row['xla_bf16']['tflops']:7.1f} fp8t={row['xla_fp8_tensorwise']['tflops']:7.1f}"
           f" deq={row['xla_dequant_bf16']['tflops']:7.1f}"
+          f" cublas_blk={row.get('cublas_blockwise', {}).get('tflops', 0):7.1f}"
           f" x{row.get('speedup_vs_xla_bf16', 0):.3f} err={row.get('rel_err_vs_f64', -1):.2e}",
           flush=True)
     result["summary"] = summarize(result["rows"], shapes_by_model)

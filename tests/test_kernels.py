@@ -71,6 +71,10 @@ def test_reference_matches_float64(kind):
     (1000, 200, 392, "row", gemm.TuningConfig(max_concurrent_steps=6, cross_tile=True)),
     (520, 264, 768, "block", gemm.TuningConfig(max_concurrent_steps=2, cross_tile=True,
                                                epi_n=64)),
+    # A split that does not divide the 7 K blocks: the last split's second block lies past K.
+    (136, 72, 840, "row", gemm.TuningConfig(max_concurrent_steps=2, split_k=4)),
+    # Two output staging buffers per warpgroup, alternating across chunks and tiles.
+    (520, 200, 264, "block", gemm.TuningConfig(max_concurrent_steps=2, epi_n=64, epi_buffers=2)),
 ])
 def test_gemm_interpret_with_tails(m, n, k, kind, config):
   args = _operands(m, n, k, kind, seed=m + n)
@@ -226,6 +230,7 @@ LOWERING_CONFIGS = [
     gemm.TuningConfig(promotion="paired", cluster="m"),
     gemm.TuningConfig(cluster="n", max_concurrent_steps=5),
     gemm.TuningConfig(tile_n=192, max_concurrent_steps=4),
+    gemm.TuningConfig(max_concurrent_steps=6, epi_n=64, epi_buffers=2),
 ]
 
 
@@ -265,6 +270,36 @@ def test_cross_tile_pipeline_rule():
   assert not off.cross_tile and off.max_concurrent_steps == 4
   with pytest.raises(ValueError, match="2 tiles per CTA"):
     resolve(gemm.TuningConfig(cross_tile=True), work_items=200, ctas=132, k_steps=12)
+
+
+def test_split_k_rule():
+  """Splits need not divide the K blocks (the last one overhangs K), but none may be empty;
+  the 1.5B's k/v wgrad (24 tiles of 128x128) fills the 132 SMs in one round."""
+  assert gemm.split_k_blocks(128, 5) == 26  # 4 x 26 + 24
+  assert gemm.split_k_blocks(7, 4) == 2
+  with pytest.raises(ValueError, match="last split empty"):
+    gemm.split_k_blocks(6, 4)  # 2 blocks per split: the 4th gets none
+  kv_wgrad = gemm.choose_split_k(1536, 256, 16384, gemm.DEFAULT_CONFIG, num_sms=132)
+  assert 24 * kv_wgrad <= 132 and kv_wgrad >= 4, kv_wgrad
+  assert gemm.choose_split_k(8192, 8192, 8192, gemm.DEFAULT_CONFIG, num_sms=132) == 1
+
+
+def test_epi_buffers_rule():
+  """Auto double-buffers the output where tile_n / epi_n is even and it fits at the final
+  pipeline depth; forcing it with an odd chunk count names the reason."""
+  resolve = gemm.resolve_epi_buffers
+  square = gemm.fit_stages(gemm.DEFAULT_CONFIG, jnp.bfloat16)  # 6 stages, 64-wide chunks
+  assert resolve(square, jnp.bfloat16, k_steps=64).epi_buffers == 1  # 2 cost a stage
+  k_dgrad = gemm.dataclasses.replace(square, max_concurrent_steps=2)
+  assert resolve(k_dgrad, jnp.bfloat16, k_steps=2).epi_buffers == 2
+  assert resolve(square, jnp.bfloat16, k_steps=2).epi_buffers == 2  # Pallas uses 2 stages
+  whole = gemm.fit_stages(gemm.TuningConfig(tile_n=192, max_concurrent_steps=2), jnp.bfloat16)
+  assert whole.epi_n == 192 and resolve(whole, jnp.bfloat16, 8).epi_buffers == 1
+  with pytest.raises(ValueError, match="even number of epilogue chunks"):
+    resolve(gemm.dataclasses.replace(whole, epi_buffers=2), jnp.bfloat16, 8)
+  forced = gemm.fit_stages(gemm.TuningConfig(max_concurrent_steps=6, epi_n=64, epi_buffers=2),
+                           jnp.bfloat16)
+  assert forced.max_concurrent_steps == 5  # the second buffer costs the 6th stage
 
 
 def test_gemm_cross_tile_lowers_for_hopper(monkeypatch):

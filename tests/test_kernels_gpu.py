@@ -67,6 +67,40 @@ def test_gemm_cross_tile_matches_float64_and_the_per_tile_pipeline(m, n, k, kind
   assert bool(jnp.all(outs[True] == outs[False]))
 
 
+@pytest.mark.parametrize("m,n,k,kind,split_k", [(1536, 256, 16384, "row", 5),
+                                                (520, 264, 1000, "row", 3)])
+def test_gemm_ragged_split_k_matches_float64_and_even_splits(m, n, k, kind, split_k):
+  """A split that does not divide the K blocks (the last one overhangs K and is read as
+  zeros) gives the sums of a dividing split, to f32 rounding of the partial order."""
+  args = cpu._operands(m, n, k, kind, seed=m + k)
+  ref = cpu._numpy_f64(*args)
+  outs = []
+  for s in (split_k, 2):
+    cfg = gemm.TuningConfig(max_concurrent_steps=4, epi_n=64, split_k=s)
+    out = jax.jit(lambda *a, cfg=cfg: kernels.block_scaled_matmul(*a, out_dtype=jnp.float32,
+                                                                  config=cfg))(*args)
+    assert not bool(jnp.any(jnp.isnan(out)))
+    assert cpu._rel_err(out, ref) < F32_TOL
+    outs.append(out)
+  assert cpu._rel_err(outs[0], np.asarray(outs[1], np.float64)) < 1e-6
+
+
+@pytest.mark.parametrize("m,n,k,kind", [(16384, 1536, 256, "block"), (4104, 2000, 1000, "row")])
+def test_gemm_double_buffered_epilogue_is_bit_identical(m, n, k, kind):
+  """Two output staging buffers per warpgroup: the same bf16 output as one, bit for bit, and
+  the same on a rerun (a store reading a buffer that is being overwritten would show)."""
+  args = cpu._operands(m, n, k, kind, seed=m + n + 1)
+  ref = cpu._numpy_f64(*args)
+  outs = {}
+  for bufs in (1, 2):
+    cfg = gemm.TuningConfig(max_concurrent_steps=4, epi_n=64, epi_buffers=bufs)
+    f = jax.jit(lambda *a, cfg=cfg: kernels.block_scaled_matmul(*a, config=cfg))
+    outs[bufs] = f(*args)
+    assert cpu._rel_err(outs[bufs], ref) < BF16_TOL
+    assert bool(jnp.all(f(*args) == outs[bufs]))
+  assert bool(jnp.all(outs[1] == outs[2]))
+
+
 @pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", [
     (E4M3, E4M3, jnp.bfloat16), (E4M3, E5M2, jnp.bfloat16), (E5M2, E5M2, jnp.float32)])
 @pytest.mark.parametrize("m,n,k,kind", [(8, 64, 128, "block"), (4096, 4096, 4096, "block"),

@@ -32,6 +32,8 @@ from infir2_jax.kernels.tuning import choose_split_k
 from infir2_jax.kernels.tuning import default_config
 from infir2_jax.kernels.tuning import fit_stages
 from infir2_jax.kernels.tuning import resolve_cross_tile
+from infir2_jax.kernels.tuning import resolve_epi_buffers
+from infir2_jax.kernels.tuning import split_k_blocks
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)
@@ -105,12 +107,13 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
   tm, tn, cta_m = config.tile_m, config.tile_n, config.cta_m
   cm = 2 if config.cluster == "m" else 1  # CTAs of a cluster along M
   cn = 2 if config.cluster == "n" else 1  # and along N
-  m_iters, n_iters, k_iters = _cdiv(m, cm * cta_m), _cdiv(n, cn * tn), _cdiv(k, BLOCK)
-  k_iters //= split_k  # K blocks per split; the wrapper picks a divisor
+  m_iters, n_iters = _cdiv(m, cm * cta_m), _cdiv(n, cn * tn)
+  k_iters = split_k_blocks(_cdiv(k, BLOCK), split_k)  # K blocks per split (last may overhang)
   kps = 2 if config.promotion == "paired" else 1  # K blocks per pipeline step
   k_steps = k_iters // kps
   out_dtype = out_gmem.dtype
   epi_n = config.epi_n or tn
+  bufs = config.epi_buffers or 1  # output staging buffers per warpgroup
   fp8_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
   out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
   out_elems = out_swizzle // jnp.dtype(out_dtype).itemsize
@@ -148,7 +151,7 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=allocs,
-      out_smem=plgpu.SMEM((2, tm, epi_n), out_dtype, transforms=out_transforms),
+      out_smem=plgpu.SMEM((2 * bufs, tm, epi_n), out_dtype, transforms=out_transforms),
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, out_smem):
@@ -207,12 +210,16 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
         else:
           acc = eval_pipeline(zeros())
         out_tile = out_gmem.at[si, cta_m_slice, n_slice].at[wg_rows]
+        # Chunk c goes through buffer c % bufs (chunks per tile are a multiple of bufs, so
+        # the alternation runs on across tiles); waiting until <= bufs - 1 stores are
+        # still reading shared memory frees the buffer that this chunk reuses.
         for c in range(tn // epi_n):
           cols = slice(c * epi_n, (c + 1) * epi_n)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffer's last store read it
-          out_smem[wg] = acc[:, cols].astype(out_dtype)
+          buf = wg * bufs + c % bufs
+          plgpu.wait_smem_to_gmem(bufs - 1, wait_read_only=True)
+          out_smem[buf] = acc[:, cols].astype(out_dtype)
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[wg], out_tile.at[:, cols])
+          plgpu.copy_smem_to_gmem(out_smem.at[buf], out_tile.at[:, cols])
 
       def body(_, a_smem, b_smem, sa_smem, sb_smem, carry):
         def step(part_ref):
@@ -363,9 +370,11 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
   per_column = kind == "row" or config.tile_n != BLOCK
   num_sms = _num_sms() if not interpret else 4
   split_k = config.split_k or choose_split_k(mp, np_, kp, config, num_sms)
-  if kb % split_k:
-    raise ValueError(f"split_k={split_k} must divide the {kb} K blocks")
-  if config.promotion == "paired" and (kb // split_k) % 2:
+  k_per_split = split_k_blocks(kb, split_k)
+  if split_k * k_per_split != kb:  # the last split overhangs K: zero scales there
+    sa_KbxM = jnp.pad(sa_KbxM, ((0, split_k * k_per_split - kb), (0, 0)))
+    sb_KbxN = jnp.pad(sb_KbxN, ((0, split_k * k_per_split - kb), (0, 0)))
+  if config.promotion == "paired" and k_per_split % 2:
     config = dataclasses.replace(config, promotion="serial")  # odd K blocks per split
   part_dtype = out_dtype if split_k == 1 else jnp.dtype(jnp.float32)
   config = fit_stages(config, part_dtype)
@@ -376,7 +385,8 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
   # equal share (+-1), e.g. 256 tiles -> 128 CTAs of 2, not 132 of which 8 have one.
   rounds = _cdiv(work_items, num_sms // clusters)
   ctas = _cdiv(work_items, rounds)
-  config = resolve_cross_tile(config, work_items, ctas, kb // split_k)
+  config = resolve_cross_tile(config, work_items, ctas, k_per_split)
+  config = resolve_epi_buffers(config, part_dtype, k_per_split)
   f = _gemm_kernel(config, per_column, split_k, (split_k, mp, np_), kp, part_dtype, ctas,
                    interpret)
   out = f(a, b, sa_KbxM, sb_KbxN)

@@ -37,7 +37,9 @@ class TuningConfig:
     cluster: None, "m" or "n": pair CTAs along M (sharing the B tile) or N
       (sharing the A tile), which TMA multicasts to both.
     split_k: K splits (f32 partial outputs summed by XLA) for grids with too few
-      tiles to fill the GPU, e.g. wgrad; None picks one by a cost model.
+      tiles to fill the GPU, e.g. wgrad; None picks one by a cost model. Any split
+      works: each takes ceil(K blocks / split_k) blocks, and the last one's overhang
+      past K is read as zeros by TMA (its scales are zero-padded).
     cross_tile: one TMA pipeline across all tiles of a persistent CTA, so the
       memory warpgroup loads the next tile's first K blocks while the compute
       warpgroups finish (and store) the current one. Without it every tile
@@ -57,6 +59,7 @@ class TuningConfig:
   split_k: int | None = None
   epi_n: int | None = None
   cross_tile: bool | None = None
+  epi_buffers: int | None = None
 
   def __post_init__(self):
     if self.promotion not in PROMOTIONS:
@@ -75,6 +78,8 @@ class TuningConfig:
       raise ValueError(f"split_k={self.split_k}: must be None or >= 1")
     if self.epi_n is not None and (self.epi_n % 32 or self.tile_n % self.epi_n):
       raise ValueError(f"epi_n={self.epi_n}: must be a multiple of 32 dividing tile_n")
+    if self.epi_buffers not in (None, 1, 2):
+      raise ValueError(f"epi_buffers={self.epi_buffers}: must be None, 1 or 2")
 
   @property
   def cta_m(self) -> int:
@@ -86,6 +91,15 @@ DEFAULT_CONFIG = TuningConfig(max_concurrent_steps=6, epi_n=64)
 SMEM_BYTES = 232448  # Per-block shared memory on H100/H200 (227 KiB).
 
 
+def split_k_blocks(k_blocks: int, split_k: int) -> int:
+  """K blocks per split: ceil, the last split's overhang past K is read as zeros."""
+  per = _cdiv(k_blocks, split_k)
+  if (split_k - 1) * per >= k_blocks:
+    raise ValueError(f"split_k={split_k} leaves the last split empty for {k_blocks} K blocks"
+                     f" ({per} per split)")
+  return per
+
+
 def choose_split_k(m, n, k, config: TuningConfig, num_sms: int,
                     flops_per_s=1.1e15, bytes_per_s=3.5e12) -> int:
   """Split-K that minimizes a simple time model: waves of tiles plus the partials' traffic."""
@@ -95,13 +109,14 @@ def choose_split_k(m, n, k, config: TuningConfig, num_sms: int,
   kb = _cdiv(k, BLOCK)
   best, best_t = 1, None
   for s in range(1, 17):
-    if kb % s or kb // s < 4:
+    per = _cdiv(kb, s)
+    if per < 4 or (s - 1) * per >= kb:
       continue
     rounds = _cdiv(tiles * s, num_sms)  # persistent CTAs: each takes this many items
-    t = rounds * (2.0 * config.cta_m * config.tile_n * k / s) / (flops_per_s / num_sms)
+    t = rounds * (2.0 * config.cta_m * config.tile_n * per * BLOCK) / (flops_per_s / num_sms)
     if s > 1:
       t += 3 * s * m * n * 4 / bytes_per_s  # f32 partials: written, read, summed
-    if best_t is None or t < best_t:
+    if best_t is None or t < best_t * 0.98:  # a split must buy > 2% to be taken
       best, best_t = s, t
   return best
 
@@ -152,18 +167,44 @@ def resolve_cross_tile(config: TuningConfig, work_items: int, ctas: int,
   return dataclasses.replace(config, cross_tile=True, max_concurrent_steps=depth)
 
 
+def _stage_bytes(config: TuningConfig) -> int:
+  kps = 2 if config.promotion == "paired" else 1
+  return kps * (config.cta_m + config.tile_n) * (BLOCK + 4)  # fp8 A, B tiles + f32 scales
+
+
+def _out_bytes(config: TuningConfig, epi_n: int, out_dtype, buffers: int) -> int:
+  return buffers * 2 * config.tile_m * epi_n * jnp.dtype(out_dtype).itemsize
+
+
+SMEM_RESERVED = 2048  # barriers and alignment
+
+
 def fit_stages(config: TuningConfig, out_dtype) -> TuningConfig:
   """Caps max_concurrent_steps (and narrows the epilogue) to fit shared memory."""
   kps = 2 if config.promotion == "paired" else 1
-  stage = kps * (config.cta_m + config.tile_n) * (BLOCK + 4)  # fp8 A, B tiles + f32 scales
+  stage = _stage_bytes(config)
   want = min(config.max_concurrent_steps, 3 if kps == 2 else 5)
   widths = [config.epi_n] if config.epi_n else [config.tile_n, 64, 32]
   for epi_n in widths:
-    out = 2 * config.tile_m * epi_n * jnp.dtype(out_dtype).itemsize
-    fit = (SMEM_BYTES - 2048 - out) // stage  # 2 KiB for barriers and alignment
+    out = _out_bytes(config, epi_n, out_dtype, config.epi_buffers or 1)
+    fit = (SMEM_BYTES - SMEM_RESERVED - out) // stage
     if fit >= want or epi_n == widths[-1]:
       break
   if fit < 2:
     raise ValueError(f"{config} does not fit in shared memory with out_dtype={out_dtype}")
   return dataclasses.replace(config, max_concurrent_steps=min(config.max_concurrent_steps, fit),
                              epi_n=epi_n)
+
+
+def resolve_epi_buffers(config: TuningConfig, out_dtype, k_steps: int) -> TuningConfig:
+  """Decides config.epi_buffers (None: auto) once epi_n and the pipeline depth are final."""
+  chunks = config.tile_n // config.epi_n
+  depth = min(config.max_concurrent_steps, k_steps)  # Pallas shrinks deeper pipelines
+  fits = (depth * _stage_bytes(config) + _out_bytes(config, config.epi_n, out_dtype, 2)
+          <= SMEM_BYTES - SMEM_RESERVED)
+  if config.epi_buffers is None:
+    return dataclasses.replace(config, epi_buffers=2 if chunks % 2 == 0 and fits else 1)
+  if config.epi_buffers == 2 and chunks % 2:
+    raise ValueError(f"{config}: epi_buffers=2 needs an even number of epilogue chunks per"
+                     f" tile (tile_n / epi_n = {chunks})")
+  return config
