@@ -28,11 +28,11 @@ import jax.numpy as jnp
 from infir2_jax.kernels.tuning import BLOCK
 from infir2_jax.kernels.tuning import DEFAULT_CONFIG  # noqa: F401 (re-exported)
 from infir2_jax.kernels.tuning import TuningConfig
+from infir2_jax.kernels.tuning import check_epi_buffers
 from infir2_jax.kernels.tuning import choose_split_k
 from infir2_jax.kernels.tuning import default_config
 from infir2_jax.kernels.tuning import fit_stages
 from infir2_jax.kernels.tuning import resolve_cross_tile
-from infir2_jax.kernels.tuning import resolve_epi_buffers
 from infir2_jax.kernels.tuning import split_k_blocks
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -113,7 +113,7 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
   k_steps = k_iters // kps
   out_dtype = out_gmem.dtype
   epi_n = config.epi_n or tn
-  bufs = config.epi_buffers or 1  # output staging buffers per warpgroup
+  bufs = config.epi_buffers  # output staging buffers per warpgroup
   fp8_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
   out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
   out_elems = out_swizzle // jnp.dtype(out_dtype).itemsize
@@ -386,7 +386,7 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
   rounds = _cdiv(work_items, num_sms // clusters)
   ctas = _cdiv(work_items, rounds)
   config = resolve_cross_tile(config, work_items, ctas, k_per_split)
-  config = resolve_epi_buffers(config, part_dtype, k_per_split)
+  config = check_epi_buffers(config)
   f = _gemm_kernel(config, per_column, split_k, (split_k, mp, np_), kp, part_dtype, ctas,
                    interpret)
   out = f(a, b, sa_KbxM, sb_KbxN)

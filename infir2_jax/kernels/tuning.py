@@ -47,6 +47,11 @@ class TuningConfig:
       for the 1.5B's k/v dgrad). Needs a pipeline depth dividing the K blocks
       per tile and >= 2 tiles per CTA; None: on where that holds without a
       shallower pipeline (or K blocks per tile <= CROSS_TILE_MAX_K_STEPS).
+    epi_buffers: output staging buffers per compute warpgroup (1 or 2). With 2, a
+      chunk's store to global memory is still in flight while the next chunk (or the
+      next tile) is converted; needs an even number of chunks per tile (tile_n /
+      epi_n). Measured on the H200 (benchmarks/NOTES_kernels.md, session 8): no
+      gain on any 1.5B shape (K=256 dgrad 450 vs 454 TFLOP/s), so 1 by default.
   """
   tile_m: int = 64
   tile_n: int = 128
@@ -59,7 +64,7 @@ class TuningConfig:
   split_k: int | None = None
   epi_n: int | None = None
   cross_tile: bool | None = None
-  epi_buffers: int | None = None
+  epi_buffers: int = 1
 
   def __post_init__(self):
     if self.promotion not in PROMOTIONS:
@@ -78,8 +83,8 @@ class TuningConfig:
       raise ValueError(f"split_k={self.split_k}: must be None or >= 1")
     if self.epi_n is not None and (self.epi_n % 32 or self.tile_n % self.epi_n):
       raise ValueError(f"epi_n={self.epi_n}: must be a multiple of 32 dividing tile_n")
-    if self.epi_buffers not in (None, 1, 2):
-      raise ValueError(f"epi_buffers={self.epi_buffers}: must be None, 1 or 2")
+    if self.epi_buffers not in (1, 2):
+      raise ValueError(f"epi_buffers={self.epi_buffers}: must be 1 or 2")
 
   @property
   def cta_m(self) -> int:
@@ -102,7 +107,13 @@ def split_k_blocks(k_blocks: int, split_k: int) -> int:
 
 def choose_split_k(m, n, k, config: TuningConfig, num_sms: int,
                     flops_per_s=1.1e15, bytes_per_s=3.5e12) -> int:
-  """Split-K that minimizes a simple time model: waves of tiles plus the partials' traffic."""
+  """Split-K that minimizes a simple time model: waves of tiles plus the partials' traffic.
+
+  Only splits dividing the K blocks are considered: on the 1.5B's kv wgrad the model
+  preferred 5 ragged splits (one round of 120 CTAs) to 4, and the H200 measured 460 vs
+  467 TFLOP/s (benchmarks/NOTES_kernels.md, session 8); ragged splits stay available as
+  an explicit split_k.
+  """
   cm = 2 if config.cluster == "m" else 1
   cn = 2 if config.cluster == "n" else 1
   tiles = _cdiv(m, cm * config.cta_m) * _cdiv(n, cn * config.tile_n) * cm * cn
@@ -110,13 +121,13 @@ def choose_split_k(m, n, k, config: TuningConfig, num_sms: int,
   best, best_t = 1, None
   for s in range(1, 17):
     per = _cdiv(kb, s)
-    if per < 4 or (s - 1) * per >= kb:
+    if per < 4 or kb % s:
       continue
     rounds = _cdiv(tiles * s, num_sms)  # persistent CTAs: each takes this many items
     t = rounds * (2.0 * config.cta_m * config.tile_n * per * BLOCK) / (flops_per_s / num_sms)
     if s > 1:
       t += 3 * s * m * n * 4 / bytes_per_s  # f32 partials: written, read, summed
-    if best_t is None or t < best_t * 0.98:  # a split must buy > 2% to be taken
+    if best_t is None or t < best_t:
       best, best_t = s, t
   return best
 
@@ -186,7 +197,7 @@ def fit_stages(config: TuningConfig, out_dtype) -> TuningConfig:
   want = min(config.max_concurrent_steps, 3 if kps == 2 else 5)
   widths = [config.epi_n] if config.epi_n else [config.tile_n, 64, 32]
   for epi_n in widths:
-    out = _out_bytes(config, epi_n, out_dtype, config.epi_buffers or 1)
+    out = _out_bytes(config, epi_n, out_dtype, config.epi_buffers)
     fit = (SMEM_BYTES - SMEM_RESERVED - out) // stage
     if fit >= want or epi_n == widths[-1]:
       break
@@ -196,14 +207,9 @@ def fit_stages(config: TuningConfig, out_dtype) -> TuningConfig:
                              epi_n=epi_n)
 
 
-def resolve_epi_buffers(config: TuningConfig, out_dtype, k_steps: int) -> TuningConfig:
-  """Decides config.epi_buffers (None: auto) once epi_n and the pipeline depth are final."""
+def check_epi_buffers(config: TuningConfig) -> TuningConfig:
+  """Two staging buffers alternate across chunks and tiles: chunks per tile must be even."""
   chunks = config.tile_n // config.epi_n
-  depth = min(config.max_concurrent_steps, k_steps)  # Pallas shrinks deeper pipelines
-  fits = (depth * _stage_bytes(config) + _out_bytes(config, config.epi_n, out_dtype, 2)
-          <= SMEM_BYTES - SMEM_RESERVED)
-  if config.epi_buffers is None:
-    return dataclasses.replace(config, epi_buffers=2 if chunks % 2 == 0 and fits else 1)
   if config.epi_buffers == 2 and chunks % 2:
     raise ValueError(f"{config}: epi_buffers=2 needs an even number of epilogue chunks per"
                      f" tile (tile_n / epi_n = {chunks})")
