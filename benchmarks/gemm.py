@@ -284,6 +284,10 @@ def main(argv):
                  help="comma-separated overrides of default_config timed beside it on every"
                       " shape, e.g. 'cross_tile=False,cross_tile=False;epi_n=None'")
   p.add_argument("--deadline", type=float, default=1e9, help="seconds; skip shapes after")
+  p.add_argument("--baselines", type=int, default=1,
+                 help="0: time only our configs (variants compared among themselves)")
+  p.add_argument("--shapes", default="",
+                 help="comma-separated substrings: only shapes whose label contains one")
   p.add_argument("--cublas_blockwise", type=int, default=1,
                  help="1: also time cuBLAS's block-scaled FP8 GEMM through PyTorch (vendor"
                       " baseline, benchmarks/cublas_blockwise.py); needs PyTorch with CUDA")
@@ -315,13 +319,21 @@ def main(argv):
     todo += shapes
   skipped = []
   for i, (label, m, n, k, kind, names) in enumerate(todo):
+    if args.shapes and not any(part in label for part in args.shapes.split(",")):
+      continue
     if time.time() - t0 > args.deadline:
       skipped.append(label)
       continue
     row = bench_shape(label, m, n, k, kind, configs, args.iters, seed=i + 1,
-                      rotate=args.rotate, cublas=bool(args.cublas_blockwise))
+                      with_baselines=bool(args.baselines), rotate=args.rotate,
+                      cublas=bool(args.cublas_blockwise))
     row["linears"] = names
     result["rows"].append(row)
+    print(label, {c: round(v.get("tflops", 0), 1) for c, v in row["ours_by_config"].items()},
+          flush=True)
+    if not args.baselines:
+      save()
+      continue
     print(f"{label:28s} M={m:6d} N={n:6d} K={k:6d} ours={row.get('ours', {}).get('tflops', 0):7.1f}"
           f" bf16={row['xla_bf16']['tflops']:7.1f} fp8t={row['xla_fp8_tensorwise']['tflops']:7.1f}"
           f" deq={row['xla_dequant_bf16']['tflops']:7.1f}"
