@@ -151,11 +151,11 @@ def parse_variant(text):
   return out
 
 
-def config_for(cfg, m, n, k):
+def config_for(cfg, m, n, k, kind):
   """None (the library's default_config), a TuningConfig, or overrides of default_config."""
   if isinstance(cfg, dict):
     overrides = {key: v for key, v in cfg.items() if key != "only"}
-    return dataclasses.replace(gemm.default_config(m, n, k), **overrides)
+    return dataclasses.replace(gemm.default_config(m, n, k, b_scale=kind), **overrides)
   return cfg
 
 
@@ -184,7 +184,7 @@ def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True,
   for cfg in filter(lambda c: applies(c, label), configs):
     name = config_label(cfg)
     print(f"compiling ours {label} {name}", flush=True)
-    f = jax.jit(lambda *a, c=config_for(cfg, m, n, k): kernels.block_scaled_matmul(*a, config=c))
+    f = jax.jit(lambda *a, c=config_for(cfg, m, n, k, kind): kernels.block_scaled_matmul(*a, config=c))
     try:
       ms = rotating_ms(f, fp8_sets, iters)
       ours[name] = {"ms": ms, "tflops": tflops(ms)}
@@ -199,7 +199,7 @@ def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True,
     # "ours" is what the library runs (default_config) whenever that was timed.
     ours_cfg = "None" if "None" in timed else best_cfg
     row["ours"] = dict(timed[ours_cfg], config=ours_cfg)
-    cfg = config_for(next(c for c in configs if config_label(c) == ours_cfg), m, n, k)
+    cfg = config_for(next(c for c in configs if config_label(c) == ours_cfg), m, n, k, kind)
     out = jax.jit(lambda *a: kernels.block_scaled_matmul(*a, config=cfg))(a_q, a_s, b_q, b_s)
     rows = np.unique(np.concatenate([np.random.default_rng(seed).integers(0, m, 32), [0, m - 1]]))
     row["rel_err_vs_f64"] = rel_err_f64(out, a_q, a_s, b_q, b_s, rows)

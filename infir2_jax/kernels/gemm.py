@@ -26,6 +26,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from infir2_jax.kernels.tuning import BLOCK
+from infir2_jax.kernels.tuning import HOPPER_SMS
 from infir2_jax.kernels.tuning import DEFAULT_CONFIG  # noqa: F401 (re-exported)
 from infir2_jax.kernels.tuning import TuningConfig
 from infir2_jax.kernels.tuning import check_epi_buffers
@@ -269,9 +270,6 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-HOPPER_SMS = 132  # H100 SXM and H200
-
-
 def _num_sms() -> int:
   """SMs of the GPU the kernel is built for: the mesh's device, else the default device.
 
@@ -340,7 +338,7 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
     b_scale: [ceil(N/128), ceil(K/128)] (128x128 blocks) or [N, ceil(K/128)]
       (1x128 tiles) float32.
     out_dtype: bfloat16 or float32.
-    config: tile sizes; None picks default_config(M, N, K).
+    config: tile sizes; None picks default_config(M, N, K, b_scale=kind of b_scale).
     interpret: run the Mosaic GPU interpreter (CPU) instead of compiling.
 
   Returns:
@@ -355,7 +353,8 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
   out_dtype = jnp.dtype(out_dtype)
   (m, k), n = a_q.shape, b_q.shape[0]
   kb = _cdiv(k, BLOCK)
-  config = config or default_config(m, n, k)
+  num_sms = _num_sms() if not interpret else 4
+  config = config or default_config(m, n, k, num_sms, b_scale=kind)
   # Swizzled TMA needs whole (8, 128)-byte tiles in each array; tiles overhanging
   # that padding are read as zeros and dropped on write by TMA. An array smaller than
   # one tile is padded to a whole tile: on the H200 such a TMA box gave all-zero output.
@@ -368,7 +367,6 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
   sb_NxKb = b_scale if kind == "row" else jnp.repeat(b_scale, BLOCK, axis=0)[:n]
   sb_KbxN = jnp.pad(sb_NxKb.T, ((0, 0), (0, np_ - n)))
   per_column = kind == "row" or config.tile_n != BLOCK
-  num_sms = _num_sms() if not interpret else 4
   split_k = config.split_k or choose_split_k(mp, np_, kp, config, num_sms)
   k_per_split = split_k_blocks(kb, split_k)
   if split_k * k_per_split != kb:  # the last split overhangs K: zero scales there

@@ -132,18 +132,32 @@ def choose_split_k(m, n, k, config: TuningConfig, num_sms: int,
   return best
 
 
-def default_config(m: int, n: int, k: int) -> TuningConfig:
+HOPPER_SMS = 132  # H100 SXM and H200
+WIDE_TILE_GAIN = 1.15  # long-K (wgrad) speed per FLOP of 64x192 warpgroup tiles over 64x128
+
+
+def default_config(m: int, n: int, k: int, num_sms: int = HOPPER_SMS,
+                   b_scale: str = "block") -> TuningConfig:
   """The measured-best config for an [m, k] x [n, k] problem on an H200.
 
-  64x192 warpgroup tiles won only on the wgrad GEMMs of 16k tokens whose smaller output
-  side is the 1.5B's width (787 vs 604 TFLOP/s at 1536x1536x16384, 916 vs 858 at
-  1536x8960x16384, 928 vs 863 at 8960x1536x16384); they lost on the 1.5B's dgrad
-  16384x1536x8960 (1039 vs 1079), the 7B's wgrads (3584x3584: 860 vs 937) and on every
-  narrow or short-K shape (benchmarks/results/gemm_h200_run1.json, both widths timed on 16
-  shapes; tests/test_kernels.py checks this rule against that file).
+  64x192 warpgroup tiles win only on the wgrad GEMMs (b_scale "row": 1x128 tiles on both
+  operands, K = tokens), and there only where their rounds of persistent tiles do not cost
+  more than they gain. Per FLOP they ran ~1.15x faster than 64x128 there (fit to
+  1536x8960x16384: 916 vs 858 TFLOP/s with 5 vs 7 rounds, and 3584x3584x16384: 860 vs 937
+  with 5 vs 6), so 192 is picked when 1.5 x its rounds < 1.15 x those of 128. With 128x128
+  weight blocks ("block") a 128-wide tile promotes with one scale per row while 192 needs
+  per-column scales, and 128 won every such shape, also with K = 18944 (901 vs 942). Grids
+  with fewer 128-wide tiles than SMs keep 128 and split K. The rule matches all shapes
+  where both widths were timed (benchmarks/results/gemm_h200_run1.json and
+  gemm_h200_s8_variants.json, e.g. 3584x18944x16384: 1020 vs 808; tests/test_kernels.py
+  checks it against both files).
   """
-  if k >= 16384 and 1536 <= min(m, n) <= 2048:
-    return TuningConfig(tile_n=192, max_concurrent_steps=4)
+  if b_scale == "row" and k >= 16384:
+    tiles_128 = _cdiv(m, 128) * _cdiv(n, 128)
+    rounds_128 = _cdiv(tiles_128, num_sms)
+    rounds_192 = _cdiv(_cdiv(m, 128) * _cdiv(n, 192), num_sms)
+    if tiles_128 >= num_sms and 1.5 * rounds_192 < WIDE_TILE_GAIN * rounds_128:
+      return TuningConfig(tile_n=192, max_concurrent_steps=4)
   return DEFAULT_CONFIG
 
 
