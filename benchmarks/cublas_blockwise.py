@@ -96,3 +96,38 @@ def time_cublas_blockwise(fp8_sets, kind, expected, iters):
     except Exception as e:  # noqa: BLE001 - try the next layout, report all if none works
       errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
   return {"error": errors}
+
+
+def kernel_names(m, n, k, kind):
+  """The CUDA kernels cuBLAS runs for one block-scaled GEMM (tile and cluster shapes are in
+  the names), from PyTorch's profiler; random operands with unit scales."""
+  import torch
+  a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+  b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+  kb = -(-k // 128)
+  a_s = np.ones((m, kb), np.float32)
+  b_s = np.ones((n if kind == "row" else -(-n // 128), kb), np.float32)
+  for name, call, sa, sb in _candidates(torch, a_s, b_s, kind):
+    try:
+      call(a, b.t(), sa, sb)
+      torch.cuda.synchronize()
+      with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call(a, b.t(), sa, sb)
+        torch.cuda.synchronize()
+      return name, sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+    except Exception as e:  # noqa: BLE001 - next layout
+      last = f"{type(e).__name__}: {e}"
+  return None, [last]
+
+
+if __name__ == "__main__":
+  import json
+  import sys
+  shapes = [(8192, 8192, 8192, "block"), (16384, 8960, 1536, "block"),
+            (16384, 1536, 8960, "block"), (1536, 8960, 16384, "row"),
+            (16384, 1536, 256, "block"), (1536, 1536, 16384, "row")]
+  out = {f"{m}x{n}x{k}_{kind}": kernel_names(m, n, k, kind) for m, n, k, kind in shapes}
+  print(json.dumps(out, indent=1))
+  if len(sys.argv) > 1:
+    with open(sys.argv[1], "w") as f:
+      json.dump(out, f, indent=1)
