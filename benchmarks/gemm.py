@@ -184,7 +184,8 @@ def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True,
   for cfg in filter(lambda c: applies(c, label), configs):
     name = config_label(cfg)
     print(f"compiling ours {label} {name}", flush=True)
-    f = jax.jit(lambda *a, c=config_for(cfg, m, n, k, kind): kernels.block_scaled_matmul(*a, config=c))
+    c = config_for(cfg, m, n, k, kind)
+    f = jax.jit(lambda *a, c=c: kernels.block_scaled_matmul(*a, config=c))
     try:
       ms = rotating_ms(f, fp8_sets, iters)
       ours[name] = {"ms": ms, "tflops": tflops(ms)}
