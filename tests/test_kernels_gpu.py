@@ -85,6 +85,31 @@ def test_gemm_ragged_split_k_matches_float64_and_even_splits(m, n, k, kind, spli
   assert cpu._rel_err(outs[0], np.asarray(outs[1], np.float64)) < 1e-6
 
 
+@pytest.mark.parametrize("m,n,k,kind,split_k", [(1536, 256, 16384, "row", 5),
+                                                (1536, 1536, 16384, "row", 11),
+                                                (520, 264, 1000, "block", 3)])
+def test_gemm_tma_add_split_k_matches_float64_and_xla_summed_splits(m, n, k, kind, split_k):
+  """Splits added into one zeroed output by TMA reduce-add: the sums of the XLA-summed
+  partials to f32 rounding of the addition order, in both output dtypes, and a zero-filled
+  output each call (a second call would otherwise double the result)."""
+  args = cpu._operands(m, n, k, kind, seed=m + n + k)
+  ref = cpu._numpy_f64(*args)
+  outs = {}
+  for reduce in ("tma_add", "xla"):
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+      cfg = gemm.TuningConfig(max_concurrent_steps=6, epi_n=64, split_k=split_k,
+                              split_reduce=reduce)
+      f = jax.jit(lambda *a, cfg=cfg, d=out_dtype: kernels.block_scaled_matmul(
+          *a, out_dtype=d, config=cfg))
+      out = f(*args)
+      assert out.dtype == out_dtype and not bool(jnp.any(jnp.isnan(out)))
+      assert cpu._rel_err(out, ref) < (F32_TOL if out_dtype == jnp.float32 else BF16_TOL)
+      assert cpu._rel_err(f(*args), np.asarray(out, np.float64)) < 1e-6  # not accumulated
+      outs[reduce, jnp.dtype(out_dtype).name] = out
+  assert cpu._rel_err(outs["tma_add", "float32"],
+                      np.asarray(outs["xla", "float32"], np.float64)) < 1e-6
+
+
 @pytest.mark.parametrize("m,n,k,kind", [(16384, 1536, 256, "block"), (4104, 2000, 1000, "row")])
 def test_gemm_double_buffered_epilogue_is_bit_identical(m, n, k, kind):
   """Two output staging buffers per warpgroup: the same bf16 output as one, bit for bit, and

@@ -95,7 +95,9 @@ def block_scaled_matmul_reference(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.b
 
 def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningConfig,
                  per_column: bool, split_k: int):
-  """Kernel body. a [M, K], b [N, K] fp8; sa [Kb, M], sb [Kb, N] f32; out [M, N].
+  """Kernel body. a [M, K], b [N, K] fp8; sa [Kb, M], sb [Kb, N] f32; out [S, M, N]
+  (one slice per K split), or with split_reduce "tma_add" a zeroed f32 [M, N] ref that
+  every split adds its tiles into.
 
   Tiles may overhang the arrays: TMA fills out-of-bounds reads with zeros (which
   add exact zeros to the sums) and drops out-of-bounds writes.
@@ -115,6 +117,7 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
   out_dtype = out_gmem.dtype
   epi_n = config.epi_n or tn
   bufs = config.epi_buffers  # output staging buffers per warpgroup
+  reduce_add = config.split_reduce == "tma_add" and split_k > 1
   fp8_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
   out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
   out_elems = out_swizzle // jnp.dtype(out_dtype).itemsize
@@ -210,7 +213,10 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
           acc = pl.run_scoped(run, plgpu.ACC((tm, tn), jnp.float32))
         else:
           acc = eval_pipeline(zeros())
-        out_tile = out_gmem.at[si, cta_m_slice, n_slice].at[wg_rows]
+        if reduce_add:
+          out_tile = out_gmem.at[cta_m_slice, n_slice].at[wg_rows]
+        else:
+          out_tile = out_gmem.at[si, cta_m_slice, n_slice].at[wg_rows]
         # Chunk c goes through buffer c % bufs (chunks per tile are a multiple of bufs, so
         # the alternation runs on across tiles); waiting until <= bufs - 1 stores are
         # still reading shared memory frees the buffer that this chunk reuses.
@@ -220,7 +226,8 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
           plgpu.wait_smem_to_gmem(bufs - 1, wait_read_only=True)
           out_smem[buf] = acc[:, cols].astype(out_dtype)
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem.at[buf], out_tile.at[:, cols])
+          plgpu.copy_smem_to_gmem(out_smem.at[buf], out_tile.at[:, cols],
+                                  reduction_op="add" if reduce_add else None)
 
       def body(_, a_smem, b_smem, sa_smem, sb_smem, carry):
         def step(part_ref):
@@ -310,11 +317,10 @@ def _gemm_kernel(config: TuningConfig, per_column: bool, split_k: int, out_shape
   A model calls the same GEMM shape many times (every layer, fprop/dgrad/wgrad); as one
   jitted function, JAX lowers its Mosaic GPU module once per program, not at every call
   (the default model's FP8 step made 168 kernel calls and spent 49 s lowering them)."""
+  import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   body = functools.partial(_kernel_body, config=config, per_column=per_column, split_k=split_k)
-  return jax.jit(plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct(out_shape, part_dtype),
+  mesh = dict(
       grid=(ctas,),
       grid_names=("sm",),
       cluster=(1 + (config.cluster is not None),),
@@ -322,9 +328,23 @@ def _gemm_kernel(config: TuningConfig, per_column: bool, split_k: int, out_shape
       num_threads=3,
       thread_name="wg",
       kernel_name=gemm_kernel_name(out_shape[1], out_shape[2], k, config.tile_n, split_k),
+  )
+  params = dict(
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  ))
+  )
+  if config.split_reduce == "xla" or split_k == 1:
+    return jax.jit(plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, part_dtype),
+                                **mesh, **params))
+  # The splits add into one zeroed f32 output, passed as a mutable ref (aliased in place).
+  kernel = pl.kernel(body, out_type=(), mesh=plgpu.Mesh(**mesh), name=mesh["kernel_name"],
+                     **params)
+
+  def reduce_added(a, b, sa, sb):
+    out = jax.new_ref(jnp.zeros(out_shape[1:], jnp.float32))
+    kernel(a, b, sa, sb, out)
+    return out[...][None]
+  return jax.jit(reduce_added)
 
 
 def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
@@ -388,5 +408,5 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
   f = _gemm_kernel(config, per_column, split_k, (split_k, mp, np_), kp, part_dtype, ctas,
                    interpret)
   out = f(a, b, sa_KbxM, sb_KbxN)
-  out = out[0] if split_k == 1 else jnp.sum(out, axis=0).astype(out_dtype)
+  out = (out[0] if out.shape[0] == 1 else jnp.sum(out, axis=0)).astype(out_dtype)
   return out[:m, :n] if (mp, np_) != (m, n) else out

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 
 BLOCK = 128  # Scale block along K (and along N for 128x128 weight blocks).
 PROMOTIONS = ("serial", "carried", "paired")
+SPLIT_REDUCTIONS = ("xla", "tma_add")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -47,6 +48,11 @@ class TuningConfig:
       for the 1.5B's k/v dgrad). Needs a pipeline depth dividing the K blocks
       per tile and >= 2 tiles per CTA; None: on where that holds without a
       shallower pipeline (or K blocks per tile <= CROSS_TILE_MAX_K_STEPS).
+    split_reduce: how split-K partials are summed. "xla" (deterministic): each split
+      writes its own f32 [M, N] partial and XLA sums them afterwards. "tma_add": every
+      split adds its f32 tile into one zeroed [M, N] output with TMA's reduce-add
+      (cp.reduce.async.bulk), so no partials round-trip through memory; the order of
+      the additions varies from run to run, so the low bits of the result do too.
     epi_buffers: output staging buffers per compute warpgroup (1 or 2). With 2, a
       chunk's store to global memory is still in flight while the next chunk (or the
       next tile) is converted; needs an even number of chunks per tile (tile_n /
@@ -65,6 +71,7 @@ class TuningConfig:
   epi_n: int | None = None
   cross_tile: bool | None = None
   epi_buffers: int = 1
+  split_reduce: str = "xla"
 
   def __post_init__(self):
     if self.promotion not in PROMOTIONS:
@@ -83,6 +90,8 @@ class TuningConfig:
       raise ValueError(f"split_k={self.split_k}: must be None or >= 1")
     if self.epi_n is not None and (self.epi_n % 32 or self.tile_n % self.epi_n):
       raise ValueError(f"epi_n={self.epi_n}: must be a multiple of 32 dividing tile_n")
+    if self.split_reduce not in SPLIT_REDUCTIONS:
+      raise ValueError(f"split_reduce={self.split_reduce!r}: must be one of {SPLIT_REDUCTIONS}")
     if self.epi_buffers not in (1, 2):
       raise ValueError(f"epi_buffers={self.epi_buffers}: must be 1 or 2")
 
