@@ -170,7 +170,7 @@ def config_label(cfg):
 
 
 def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True, rotate=1,
-                cublas=False):
+                cublas=False, breakdown=False):
   flops = 2.0 * m * n * k
   x, w_t, a_q, a_s, b_q, b_s = make_operands(m, n, k, kind, seed)
   # more operand sets for the timings only (the error check uses the first)
@@ -206,6 +206,9 @@ def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True,
     row["rel_err_vs_f64"] = rel_err_f64(out, a_q, a_s, b_q, b_s, rows)
     row["rel_err_rows_sampled"] = int(len(rows))
     row["nan_in_output"] = bool(jnp.any(jnp.isnan(out)))
+    if breakdown:  # which kernels "ours" is made of: the GEMM and XLA's layout ops around it
+      f = jax.jit(lambda *a: kernels.block_scaled_matmul(*a, config=cfg))
+      row["ours_kernels"] = benchtools.kernel_breakdown(f, fp8_sets[0], iters)
   if with_baselines:
     ms = rotating_ms(jax.jit(jnp.dot), sets(lambda x, w_t, *_: (x, w_t)), iters)
     row["xla_bf16"] = {"ms": ms, "tflops": tflops(ms)}
@@ -292,6 +295,9 @@ def main(argv):
   p.add_argument("--cublas_blockwise", type=int, default=1,
                  help="1: also time cuBLAS's block-scaled FP8 GEMM through PyTorch (vendor"
                       " baseline, benchmarks/cublas_blockwise.py); needs PyTorch with CUDA")
+  p.add_argument("--breakdown", type=int, default=1,
+                 help="1: also record the device ms of each kernel in one call of ours"
+                      " (the GEMM and the XLA ops around it), as rows' ours_kernels")
   args = p.parse_args(argv)
   t0 = time.time()
   result = {"info": benchtools.run_info(["benchmarks/gemm.py", *argv]), "rows": []}
@@ -327,7 +333,7 @@ def main(argv):
       continue
     row = bench_shape(label, m, n, k, kind, configs, args.iters, seed=i + 1,
                       with_baselines=bool(args.baselines), rotate=args.rotate,
-                      cublas=bool(args.cublas_blockwise))
+                      cublas=bool(args.cublas_blockwise), breakdown=bool(args.breakdown))
     row["linears"] = names
     result["rows"].append(row)
     print(label, {c: round(v.get("tflops", 0), 1) for c, v in row["ours_by_config"].items()},

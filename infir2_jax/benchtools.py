@@ -43,6 +43,23 @@ def device_ms(fn, args, iters=20, warmup=2):
   return statistics.median(samples)
 
 
+def kernel_breakdown(fn, args, iters=10) -> list[dict] | None:
+  """Median device ms of each kernel one fn(*args) call launches, in launch order (CUPTI);
+  None without CUPTI. Shows what a timed sum is made of, e.g. a GEMM's XLA-side layout ops."""
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    jax.block_until_ready(fn(*args))
+    _, per_iter = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
+  except Exception as e:  # noqa: BLE001 - a diagnostic: absent without CUPTI
+    print(f"kernel breakdown unavailable ({type(e).__name__}: {e})", flush=True)
+    return None
+  if not per_iter:
+    return None
+  per_iter = per_iter if iters > 1 else [per_iter]
+  return [{"kernel": name, "ms": statistics.median(it[i][1] for it in per_iter)}
+          for i, (name, _) in enumerate(per_iter[0])]
+
+
 BATCH_DTYPES = (("inputs", np.int32), ("targets", np.int32), ("segment_ids", np.int32),
                 ("positions", np.int32), ("loss_mask", np.float32))
 
