@@ -206,6 +206,13 @@ def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True,
     row["rel_err_vs_f64"] = rel_err_f64(out, a_q, a_s, b_q, b_s, rows)
     row["rel_err_rows_sampled"] = int(len(rows))
     row["nan_in_output"] = bool(jnp.any(jnp.isnan(out)))
+    # The kernel fed scales in its own layout (KernelScales, built outside the timing, as
+    # cuBLAS's are below): what a quantizer writing that layout would get, without XLA's
+    # transpose / broadcast of the scales.
+    native_sets = [(a, b, kernels.kernel_scales(a, sa, b, sb)) for a, sa, b, sb in fp8_sets]
+    f = jax.jit(lambda a, b, s: kernels.matmul_kernel_scales(a, b, s, config=cfg))
+    ms = rotating_ms(f, native_sets, iters)
+    row["ours_kernel_layout"] = {"ms": ms, "tflops": tflops(ms), "config": row["ours"]["config"]}
     if breakdown:  # which kernels "ours" is made of: the GEMM and XLA's layout ops around it
       f = jax.jit(lambda *a: kernels.block_scaled_matmul(*a, config=cfg))
       row["ours_kernels"] = benchtools.kernel_breakdown(f, fp8_sets[0], iters)
@@ -228,12 +235,15 @@ def bench_shape(label, m, n, k, kind, configs, iters, seed, with_baselines=True,
       row["speedup_vs_xla_bf16"] = base / row["ours"]["ms"]
       row["speedup_vs_xla_bf16_by_config"] = {c: base / v["ms"] for c, v in timed.items()}
       row["xla_fp8_tensorwise_vs_xla_bf16"] = base / row["xla_fp8_tensorwise"]["ms"]
+      row["ours_kernel_layout_vs_xla_bf16"] = base / row["ours_kernel_layout"]["ms"]
     if cublas and "ours" in row:
       vendor = cublas_blockwise.time_cublas_blockwise(fp8_sets, kind, out, iters)
       if "ms" in vendor:
         vendor["tflops"] = tflops(vendor["ms"])
         row["cublas_blockwise_vs_xla_bf16"] = row["xla_bf16"]["ms"] / vendor["ms"]
         row["ours_vs_cublas_blockwise"] = vendor["ms"] / row["ours"]["ms"]
+        row["ours_kernel_layout_vs_cublas_blockwise"] = (
+            vendor["ms"] / row["ours_kernel_layout"]["ms"])
       row["cublas_blockwise"] = vendor
   row["operand_sets_rotated"] = rotate
   return row
@@ -260,7 +270,8 @@ def summarize(rows, shapes_by_model):
         by_config.setdefault(c, []).extend([x] * len(names))
     if len(by_config) > 1:
       summary[f"{model}_geomean_by_config"] = {c: geomean(xs) for c, xs in by_config.items()}
-    for key in ("cublas_blockwise_vs_xla_bf16", "ours_vs_cublas_blockwise"):
+    for key in ("ours_kernel_layout_vs_xla_bf16", "cublas_blockwise_vs_xla_bf16",
+                "ours_vs_cublas_blockwise", "ours_kernel_layout_vs_cublas_blockwise"):
       xs = []
       for label, *_, names in shapes:
         r = next((r for r in rows if r["label"] == label and key in r), None)
@@ -272,6 +283,8 @@ def summarize(rows, shapes_by_model):
   summary["square8192_speedup_vs_xla_bf16"] = r and r["speedup_vs_xla_bf16"]
   if r is not None and "cublas_blockwise_vs_xla_bf16" in r:
     summary["square8192_cublas_blockwise_vs_xla_bf16"] = r["cublas_blockwise_vs_xla_bf16"]
+  if r is not None and "ours_kernel_layout_vs_xla_bf16" in r:
+    summary["square8192_ours_kernel_layout_vs_xla_bf16"] = r["ours_kernel_layout_vs_xla_bf16"]
   return summary
 
 
@@ -344,6 +357,7 @@ def main(argv):
     print(f"{label:28s} M={m:6d} N={n:6d} K={k:6d} ours={row.get('ours', {}).get('tflops', 0):7.1f}"
           f" bf16={row['xla_bf16']['tflops']:7.1f} fp8t={row['xla_fp8_tensorwise']['tflops']:7.1f}"
           f" deq={row['xla_dequant_bf16']['tflops']:7.1f}"
+          f" kernel_layout={row.get('ours_kernel_layout', {}).get('tflops', 0):7.1f}"
           f" cublas_blk={row.get('cublas_blockwise', {}).get('tflops', 0):7.1f}"
           f" x{row.get('speedup_vs_xla_bf16', 0):.3f} err={row.get('rel_err_vs_f64', -1):.2e}",
           flush=True)

@@ -112,6 +112,38 @@ def test_interpreter_lacks_tma_add_without_the_test_shim():
     kernels.block_scaled_matmul(*args, out_dtype=jnp.float32, config=config, interpret=True)
 
 
+@pytest.mark.parametrize("kind", ["block", "row"])
+def test_kernel_scales_layout_and_entry_point(kind):
+  """kernel_scales: A's scales transposed, B's one per row (a block's repeated over its 128
+  rows); matmul_kernel_scales on them gives block_scaled_matmul's output bit for bit."""
+  m, n, k = 136, 264, 392
+  args = _operands(m, n, k, kind, seed=7)
+  a, sa, b, sb = args
+  scales = kernels.kernel_scales(*args)
+  assert scales.kind == kind
+  np.testing.assert_array_equal(np.asarray(scales.sa_KbxM), np.asarray(sa).T)
+  rows = np.asarray(sb) if kind == "row" else np.asarray(sb)[np.arange(n) // 128]
+  np.testing.assert_array_equal(np.asarray(scales.sb_KbxN), rows.T)
+  config = gemm.TuningConfig(max_concurrent_steps=2)
+  out = kernels.matmul_kernel_scales(a, b, scales, out_dtype=jnp.float32, config=config,
+                                     interpret=True)
+  want = kernels.block_scaled_matmul(*args, out_dtype=jnp.float32, config=config,
+                                     interpret=True)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+  assert _rel_err(out, _numpy_f64(*args)) < 1e-6
+
+
+def test_matmul_kernel_scales_rejects_bad_scales():
+  a, sa, b, sb = _operands(128, 256, 384, "block")
+  scales = kernels.kernel_scales(a, sa, b, sb)
+  with pytest.raises(ValueError, match="a_scale.shape"):
+    kernels.matmul_kernel_scales(a, b, kernels.KernelScales(scales.sa_KbxM.T, scales.sb_KbxN,
+                                                            "block"))
+  with pytest.raises(ValueError, match="kind"):
+    kernels.matmul_kernel_scales(a, b, kernels.KernelScales(scales.sa_KbxM, scales.sb_KbxN,
+                                                            "tile"))
+
+
 def test_gemm_interpret_mixed_fp8_bf16_out():
   args = _operands(128, 128, 256, "block", seed=3, a_dtype=E4M3, b_dtype=E5M2)
   out = kernels.block_scaled_matmul(*args, interpret=True)
@@ -278,6 +310,29 @@ def test_gemm_lowers_for_hopper(config):
     assert (named["m"], named["n"], named["k"]) == (-(-m // 8) * 8, -(-n // 64) * 64,
                                                   -(-k // 128) * 128), (shape, named)
     assert named["split_k"] >= (2 if shape == (1536, 256, 16384) else 1)
+
+
+def _xla_ops(text):
+  """The stablehlo ops of a lowered module's main function, custom calls aside."""
+  import re
+  return {op for op in re.findall(r"= stablehlo\.(\w+)", text) if op != "custom_call"}
+
+
+def test_kernel_layout_scales_need_no_xla_ops_on_aligned_shapes():
+  """With scales in the kernel's layout an aligned GEMM lowers to the custom call alone;
+  block_scaled_matmul adds the layout ops (a transpose, and a broadcast for 128x128 blocks)
+  that cost 1-2 us each on the H200 (benchmarks/NOTES_kernels.md, session 9)."""
+  m, n, k = 16384, 1536, 256
+  specs = _gemm_specs(m, n, k, "block")
+  kb = k // 128
+  native = (specs[0], specs[2], kernels.KernelScales(
+      jax.ShapeDtypeStruct((kb, m), jnp.float32), jax.ShapeDtypeStruct((kb, n), jnp.float32),
+      "block"))
+  text = _lower_on_h100(lambda a, b, s: kernels.matmul_kernel_scales(a, b, s), *native).as_text()
+  # [1, M, N] -> [M, N] is a reshape that XLA makes a bitcast (no kernel).
+  assert "mosaic_gpu" in text and _xla_ops(text) <= {"reshape"}, _xla_ops(text)
+  text = _lower_on_h100(lambda *a: kernels.block_scaled_matmul(*a), *specs).as_text()
+  assert "transpose" in _xla_ops(text)
 
 
 def test_cross_tile_pipeline_rule():

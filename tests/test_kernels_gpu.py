@@ -113,6 +113,22 @@ def test_gemm_tma_add_split_k_matches_float64_and_xla_summed_splits(m, n, k, kin
                       np.asarray(outs["xla", "float32"], np.float64)) < 1e-6
 
 
+@pytest.mark.parametrize("m,n,k,kind", [(16384, 1536, 256, "block"), (1536, 256, 16384, "row"),
+                                        (4104, 2000, 1000, "block")])
+def test_matmul_kernel_scales_is_block_scaled_matmul_bit_for_bit(m, n, k, kind):
+  """Scales handed over in the kernel's layout: the same output as the canonical entry."""
+  args = cpu._operands(m, n, k, kind, seed=m + 2 * n)
+  a, _, b, _ = args
+  want = jax.jit(lambda *x: kernels.block_scaled_matmul(*x))(*args)
+  scales = jax.jit(kernels.kernel_scales)(*args)
+  got = jax.jit(lambda a, b, s: kernels.matmul_kernel_scales(a, b, s))(a, b, scales)
+  assert cpu._rel_err(want, cpu._numpy_f64(*args)) < BF16_TOL
+  if kind == "row":  # split K: partials summed by XLA, in the same order both ways
+    assert cpu._rel_err(got, np.asarray(want, np.float64)) < 1e-6
+  else:
+    assert bool(jnp.all(got == want))
+
+
 @pytest.mark.parametrize("m,n,k,kind", [(16384, 1536, 256, "block"), (4104, 2000, 1000, "row")])
 def test_gemm_double_buffered_epilogue_is_bit_identical(m, n, k, kind):
   """Two output staging buffers per warpgroup: the same bf16 output as one, bit for bit, and

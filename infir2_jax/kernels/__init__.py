@@ -5,6 +5,8 @@ on CPU, for tests):
   available()                      Hopper GPU present and Mosaic GPU importable.
   supports(m, n, k, ...)           whether block_scaled_matmul takes these operands.
   block_scaled_matmul(...)         the canonical NT contract (see gemm.py).
+  matmul_kernel_scales(...)        the same with scales already in the kernel's layout
+                                   (KernelScales, built by kernel_scales()).
   quantize_tiles(...)              1x128 tiles [+ token-axis tiles for wgrad].
   quantize_blocks(...)             128x128 weight blocks [+ transposed q].
 and pure-jnp references `*_reference` of each.
@@ -23,6 +25,9 @@ from infir2_jax.kernels.gemm import TuningConfig
 from infir2_jax.kernels.gemm import default_config
 from infir2_jax.kernels.gemm import block_scaled_matmul
 from infir2_jax.kernels.gemm import block_scaled_matmul_reference
+from infir2_jax.kernels.gemm import KernelScales
+from infir2_jax.kernels.gemm import kernel_scales
+from infir2_jax.kernels.gemm import matmul_kernel_scales
 from infir2_jax.kernels.quantize import quantize_blocks
 from infir2_jax.kernels.quantize import quantize_blocks_reference
 from infir2_jax.kernels.quantize import quantize_tiles
@@ -32,6 +37,7 @@ from infir2_jax.kernels.quantize import scale_from_amax
 __all__ = [
     "available", "supports", "TuningConfig", "DEFAULT_CONFIG", "default_config",
     "block_scaled_matmul", "block_scaled_matmul_reference",
+    "KernelScales", "kernel_scales", "matmul_kernel_scales",
     "quantize_tiles", "quantize_tiles_reference",
     "quantize_blocks", "quantize_blocks_reference", "scale_from_amax",
 ]

@@ -347,6 +347,39 @@ def _gemm_kernel(config: TuningConfig, per_column: bool, split_k: int, out_shape
   return jax.jit(reduce_added)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelScales:
+  """Scales in the layout the kernel reads: K-block-major, one per row of A and of B.
+
+  Attributes:
+    sa_KbxM: [Kb, M] float32, A's 1x128 tile scales transposed.
+    sb_KbxN: [Kb, N] float32, B's scale of each row (a 128x128 block's scale repeated
+      over its 128 rows, or a 1x128 tile's own).
+    kind: "block" (sb constant over each 128 rows of B: a 128-wide tile promotes with one
+      scale per row) or "row".
+
+  cuBLAS's block-scaled GEMM reads the same layout (its "M-major" scales). A producer that
+  writes it directly saves the XLA ops kernel_scales() builds it with (a transpose per
+  operand, and for 128x128 blocks a broadcast: 1-2 us each on the H200, 14% of the 1.5B's
+  16384x256x1536 GEMM; benchmarks/NOTES_kernels.md, session 9).
+  """
+  sa_KbxM: jax.Array
+  sb_KbxN: jax.Array
+  kind: str = dataclasses.field(metadata=dict(static=True))
+
+
+jax.tree_util.register_dataclass(KernelScales, data_fields=["sa_KbxM", "sb_KbxN"],
+                                 meta_fields=["kind"])
+
+
+def kernel_scales(a_q, a_scale, b_q, b_scale) -> KernelScales:
+  """The canonical scales ([M, Kb], and [Nb, Kb] or [N, Kb]) in the kernel's layout."""
+  kind = check_operands(a_q, a_scale, b_q, b_scale, jnp.float32)
+  n = b_q.shape[0]
+  sb_NxKb = b_scale if kind == "row" else jnp.repeat(b_scale, BLOCK, axis=0)[:n]
+  return KernelScales(a_scale.T, sb_NxKb.T, kind)
+
+
 def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
                         config: TuningConfig | None = None, interpret: bool = False):
   """Block-scaled FP8 GEMM out[M, N] = (a_q * a_scale) @ (b_q * b_scale)^T.
@@ -366,13 +399,25 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
 
   Any M, N, K works: K is zero-padded to a multiple of 128, N to 64 and M to 8, and
   either to one whole tile when smaller (a copy, only when unaligned); the tile
-  remainders are masked by TMA. Grids with
-  too few tiles for the GPU split K (f32 partials summed by XLA, see TuningConfig).
+  remainders are masked by TMA. Grids with too few tiles for the GPU split K (see
+  TuningConfig.split_k). The scales go to the kernel's layout first (kernel_scales);
+  matmul_kernel_scales takes them in that layout directly.
   """
-  kind = check_operands(a_q, a_scale, b_q, b_scale, out_dtype)
-  out_dtype = jnp.dtype(out_dtype)
+  check_operands(a_q, a_scale, b_q, b_scale, out_dtype)
+  return matmul_kernel_scales(a_q, b_q, kernel_scales(a_q, a_scale, b_q, b_scale),
+                              out_dtype=out_dtype, config=config, interpret=interpret)
+
+
+def matmul_kernel_scales(a_q, b_q, scales: KernelScales, *, out_dtype=jnp.bfloat16,
+                         config: TuningConfig | None = None, interpret: bool = False):
+  """block_scaled_matmul with its scales already in the kernel's layout (KernelScales)."""
   (m, k), n = a_q.shape, b_q.shape[0]
   kb = _cdiv(k, BLOCK)
+  check_operands(a_q, scales.sa_KbxM.T, b_q, scales.sb_KbxN.T, out_dtype)
+  if scales.kind not in ("block", "row"):
+    raise ValueError(f"scales.kind={scales.kind!r}: must be 'block' or 'row'")
+  kind = scales.kind
+  out_dtype = jnp.dtype(out_dtype)
   num_sms = _num_sms() if not interpret else 4
   config = config or default_config(m, n, k, num_sms, b_scale=kind)
   # Swizzled TMA needs whole (8, 128)-byte tiles in each array; tiles overhanging
@@ -383,15 +428,16 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
   kp = _round_up(k, BLOCK)
   a = jnp.pad(a_q, ((0, mp - m), (0, kp - k))) if (mp, kp) != (m, k) else a_q
   b = jnp.pad(b_q, ((0, np_ - n), (0, kp - k))) if (np_, kp) != (n, k) else b_q
-  sa_KbxM = jnp.pad(a_scale.T, ((0, 0), (0, mp - m)))
-  sb_NxKb = b_scale if kind == "row" else jnp.repeat(b_scale, BLOCK, axis=0)[:n]
-  sb_KbxN = jnp.pad(sb_NxKb.T, ((0, 0), (0, np_ - n)))
+  sa_KbxM, sb_KbxN = scales.sa_KbxM, scales.sb_KbxN
   per_column = kind == "row" or config.tile_n != BLOCK
   split_k = config.split_k or choose_split_k(mp, np_, kp, config, num_sms)
   k_per_split = split_k_blocks(kb, split_k)
-  if split_k * k_per_split != kb:  # the last split overhangs K: zero scales there
-    sa_KbxM = jnp.pad(sa_KbxM, ((0, split_k * k_per_split - kb), (0, 0)))
-    sb_KbxN = jnp.pad(sb_KbxN, ((0, split_k * k_per_split - kb), (0, 0)))
+  # Zero scales past M, N and (a ragged last split) K; no op where none is needed.
+  kb_pad = split_k * k_per_split - kb
+  if (kb_pad, mp - m) != (0, 0):
+    sa_KbxM = jnp.pad(sa_KbxM, ((0, kb_pad), (0, mp - m)))
+  if (kb_pad, np_ - n) != (0, 0):
+    sb_KbxN = jnp.pad(sb_KbxN, ((0, kb_pad), (0, np_ - n)))
   if config.promotion == "paired" and k_per_split % 2:
     config = dataclasses.replace(config, promotion="serial")  # odd K blocks per split
   part_dtype = out_dtype if split_k == 1 else jnp.dtype(jnp.float32)
