@@ -48,7 +48,8 @@ def _to_torch_fp8(torch, x):
 
 
 def time_cublas_blockwise(fp8_sets, kind, expected, iters):
-  """Device ms per GEMM over the operand sets (each read once per round), CUDA events.
+  """Device ms per GEMM over the operand sets (each read once per round): CUPTI kernel sums
+  from torch.profiler (as ours), with CUDA events over the same calls kept beside them.
 
   Args:
     fp8_sets: [(a_q, a_s, b_q, b_s)] JAX arrays; the first is checked against `expected`.
@@ -56,7 +57,8 @@ def time_cublas_blockwise(fp8_sets, kind, expected, iters):
     expected: our kernel's [M, N] output on the first set.
     iters: timed rounds over all sets.
   Returns:
-    {"ms", "api", "rel_err_vs_ours", "timing": "cuda events"} or {"error": ...}.
+    {"ms", "ms_cuda_events", "ms_kernels", "kernels", "api", "rel_err_vs_ours", "timing"}
+    or {"error": ...}.
   """
   try:
     import torch
@@ -88,12 +90,38 @@ def time_cublas_blockwise(fp8_sets, kind, expected, iters):
           call(*args)
       end.record()
       torch.cuda.synchronize()
-      ms = start.elapsed_time(end) / (iters * len(prepared))
-      return {"ms": ms, "api": name, "rel_err_vs_ours": err, "torch": torch.__version__,
-              "timing": "cuda events over back-to-back calls"}
+      events_ms = start.elapsed_time(end) / (iters * len(prepared))
+      kernels_ms, names = _kernel_ms(torch, call, prepared, iters)
+      # Kernel time (CUPTI, as ours and XLA's are timed) when the profiler gives it: events
+      # also count the gaps while PyTorch's host code launches the next call, which on a
+      # 15-30 us GEMM can be most of the time (session 9: 283 vs 567 TFLOP/s between runs).
+      ms = kernels_ms if kernels_ms else events_ms
+      return {"ms": ms, "ms_cuda_events": events_ms, "ms_kernels": kernels_ms,
+              "kernels": names, "api": name, "rel_err_vs_ours": err, "torch": torch.__version__,
+              "timing": ("cupti kernel sums (torch.profiler)" if kernels_ms
+                         else "cuda events over back-to-back calls")}
     except Exception as e:  # noqa: BLE001 - try the next layout, report all if none works
       errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
   return {"error": errors}
+
+
+def _kernel_ms(torch, call, prepared, iters):
+  """Device ms per call summed over the CUDA kernels it launches (torch.profiler / CUPTI),
+  and their names; (None, []) if the profiler records none."""
+  try:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+      for _ in range(iters):
+        for args in prepared:
+          call(*args)
+      torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+  except Exception as e:  # noqa: BLE001 - fall back to CUDA events
+    print(f"torch.profiler kernel timing failed: {type(e).__name__}: {e}", flush=True)
+    return None, []
+  if not kernels:
+    return None, []
+  total_us = sum(e.time_range.elapsed_us() for e in kernels)
+  return total_us / 1e3 / (iters * len(prepared)), sorted({e.name for e in kernels})
 
 
 def kernel_names(m, n, k, kind):
