@@ -44,3 +44,14 @@ def test_library_default_wgrad_rule_on_the_benchmarked_shapes():
   assert widths["7b.gate_proj.wgrad"] == 192 and widths["7b.down_proj.wgrad"] == 192
   assert widths["7b.q_proj.wgrad"] == 128 and widths["7b.k_proj.wgrad"] == 128
   assert all(w == 128 for label, w in widths.items() if not label.endswith("wgrad"))
+
+
+def test_short_k_default_stages_the_output_in_one_chunk():
+  """K <= 512: one 128-wide epilogue store per warpgroup (measured faster on K=256 dgrad),
+  which still leaves shared memory for a pipeline as deep as the K blocks."""
+  shapes = {s[0]: s for s in bench.gemm_shapes("1p5b") + bench.gemm_shapes("7b")}
+  for label, (_, m, n, k, kind, _names) in shapes.items():
+    cfg = gemm.default_config(m, n, k, b_scale=kind)
+    assert (cfg.epi_n == 128) == (k <= 512), (label, cfg)
+  fitted = gemm.fit_stages(gemm.default_config(16384, 1536, 256), "bfloat16")
+  assert fitted.epi_n == 128 and fitted.max_concurrent_steps >= 4

@@ -149,6 +149,8 @@ def default_config(m: int, n: int, k: int, num_sms: int = HOPPER_SMS,
                    b_scale: str = "block") -> TuningConfig:
   """The measured-best config for an [m, k] x [n, k] problem on an H200.
 
+  Short K (<= SHORT_K) stages the output in one 128-wide chunk per warpgroup (SHORT_K_CONFIG).
+
   64x192 warpgroup tiles win only on the wgrad GEMMs (b_scale "row": 1x128 tiles on both
   operands, K = tokens), and there only where their rounds of persistent tiles do not cost
   more than they gain. Per FLOP they ran ~1.15x faster than 64x128 there (fit to
@@ -167,7 +169,17 @@ def default_config(m: int, n: int, k: int, num_sms: int = HOPPER_SMS,
     rounds_192 = _cdiv(_cdiv(m, 128) * _cdiv(n, 192), num_sms)
     if tiles_128 >= num_sms and 1.5 * rounds_192 < WIDE_TILE_GAIN * rounds_128:
       return TuningConfig(tile_n=192, max_concurrent_steps=4)
+  if k <= SHORT_K:
+    return SHORT_K_CONFIG
   return DEFAULT_CONFIG
+
+
+# K <= 512 (2-4 K blocks per tile): the epilogue is a large share of each tile, and one
+# 128-wide store per warpgroup beat two 64-wide ones on the 1.5B's k/v dgrad (K=256): 479.6
+# vs 456.8 TFLOP/s side by side (benchmarks/NOTES_kernels.md, session 9). The pipeline is
+# as deep as the K blocks anyway (cross_tile), so the wider staging buffer costs no stage.
+SHORT_K = 512
+SHORT_K_CONFIG = TuningConfig(max_concurrent_steps=6, epi_n=128)
 
 
 CROSS_TILE_MAX_K_STEPS = 24  # Short K: worth a shallower pipeline to carry it across tiles.
