@@ -136,9 +136,15 @@ def test_kernel_scales_layout_and_entry_point(kind):
 def test_matmul_kernel_scales_rejects_bad_scales():
   a, sa, b, sb = _operands(128, 256, 384, "block")
   scales = kernels.kernel_scales(a, sa, b, sb)
-  with pytest.raises(ValueError, match="a_scale.shape"):
+  with pytest.raises(ValueError, match=r"KernelScales.sa_KbxM: float32\[128, 3\], expected"
+                                       r" float32\[3, 128\]"):
     kernels.matmul_kernel_scales(a, b, kernels.KernelScales(scales.sa_KbxM.T, scales.sb_KbxN,
                                                             "block"))
+  with pytest.raises(ValueError, match="KernelScales.sb_KbxN: bfloat16"):
+    kernels.matmul_kernel_scales(a, b, kernels.KernelScales(
+        scales.sa_KbxM, scales.sb_KbxN.astype(jnp.bfloat16), "block"))
+  with pytest.raises(ValueError, match="contraction mismatch"):
+    kernels.matmul_kernel_scales(a, b[:, :256], scales)
   with pytest.raises(ValueError, match="kind"):
     kernels.matmul_kernel_scales(a, b, kernels.KernelScales(scales.sa_KbxM, scales.sb_KbxN,
                                                             "tile"))

@@ -48,8 +48,9 @@ def _round_up(a: int, b: int) -> int:
   return _cdiv(a, b) * b
 
 
-def check_operands(a_q, a_scale, b_q, b_scale, out_dtype) -> str:
-  """Validates the canonical NT operands; returns "block" or "row" (b_scale kind)."""
+def check_operands(a_q, a_scale, b_q, b_scale, out_dtype, check_scales=True) -> str | None:
+  """Validates the canonical NT operands; returns "block" or "row" (b_scale kind), or None
+  when told not to check the scales (their kernel layout is checked by the caller)."""
   if a_q.ndim != 2 or b_q.ndim != 2:
     raise ValueError(f"a_q {a_q.shape} and b_q {b_q.shape} must be 2-D [M, K] and [N, K]"
                      " (flatten batch dims first)")
@@ -61,6 +62,8 @@ def check_operands(a_q, a_scale, b_q, b_scale, out_dtype) -> str:
       raise ValueError(f"{name}.dtype={x.dtype}: must be float8_e4m3fn or float8_e5m2")
   if jnp.dtype(out_dtype) not in OUT_DTYPES:
     raise ValueError(f"out_dtype={out_dtype}: must be bfloat16 or float32")
+  if not check_scales:
+    return None
   kb = _cdiv(k, BLOCK)
   if a_scale.shape != (m, kb):
     raise ValueError(f"a_scale.shape={a_scale.shape}: expected {(m, kb)} (1x128 tiles)")
@@ -411,11 +414,15 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
 def matmul_kernel_scales(a_q, b_q, scales: KernelScales, *, out_dtype=jnp.bfloat16,
                          config: TuningConfig | None = None, interpret: bool = False):
   """block_scaled_matmul with its scales already in the kernel's layout (KernelScales)."""
+  check_operands(a_q, None, b_q, None, out_dtype, check_scales=False)
   (m, k), n = a_q.shape, b_q.shape[0]
   kb = _cdiv(k, BLOCK)
-  check_operands(a_q, scales.sa_KbxM.T, b_q, scales.sb_KbxN.T, out_dtype)
+  for name, s, want in (("sa_KbxM", scales.sa_KbxM, (kb, m)), ("sb_KbxN", scales.sb_KbxN, (kb, n))):
+    if s.shape != want or s.dtype != jnp.float32:
+      raise ValueError(f"KernelScales.{name}: {s.dtype}{list(s.shape)}, expected float32"
+                       f"{list(want)} for a_q {a_q.shape} and b_q {b_q.shape}")
   if scales.kind not in ("block", "row"):
-    raise ValueError(f"scales.kind={scales.kind!r}: must be 'block' or 'row'")
+    raise ValueError(f"KernelScales.kind={scales.kind!r}: must be 'block' or 'row'")
   kind = scales.kind
   out_dtype = jnp.dtype(out_dtype)
   num_sms = _num_sms() if not interpret else 4
