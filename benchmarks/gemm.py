@@ -11,6 +11,13 @@ run; ratios to XLA bf16; ||out - ref|| / ||ref|| of ours against a float64
 reference on sampled rows, on fresh random inputs quantized by the reference
 quantizer. Results are written after every shape.
 
+Ours is timed twice: `ours` through block_scaled_matmul (canonical scales, so XLA's layout
+ops for them are included) and `ours_kernel_layout` through matmul_kernel_scales with the
+scales built beforehand, as cuBLAS's are and as a train step feeds the kernel (its quantizers
+write that layout; benchmarks/linear_kernels.py). `ours_kernels` (--breakdown) lists the
+kernels of one `ours` call. All times are CUPTI kernel sums; cuBLAS's come from
+torch.profiler in a last pass, since its CUPTI subscription blocks the Mosaic GPU profiler.
+
 --rotate N (default 3) times every GEMM over N operand sets in one jitted call (each set read
 once, time / N), so operands are not L2-resident from the previous call, as in a train step;
 --rotate 1 reruns one set (session 3's numbers: the bf16 rates then matched the train step's
