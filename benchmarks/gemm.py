@@ -302,10 +302,9 @@ def summarize(rows, shapes_by_model):
         summary[f"{model}_gemms_with_{key}"] = len(xs)
   r = next((r for r in rows if r["label"] == "square8192" and "speedup_vs_xla_bf16" in r), None)
   summary["square8192_speedup_vs_xla_bf16"] = r and r["speedup_vs_xla_bf16"]
-  if r is not None and "cublas_blockwise_vs_xla_bf16" in r:
-    summary["square8192_cublas_blockwise_vs_xla_bf16"] = r["cublas_blockwise_vs_xla_bf16"]
-  if r is not None and "ours_kernel_layout_vs_xla_bf16" in r:
-    summary["square8192_ours_kernel_layout_vs_xla_bf16"] = r["ours_kernel_layout_vs_xla_bf16"]
+  for key in ("cublas_blockwise_vs_xla_bf16", "ours_kernel_layout_vs_xla_bf16"):
+    if r is not None and key in r:
+      summary[f"square8192_{key}"] = r[key]
   return summary
 
 

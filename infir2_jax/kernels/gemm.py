@@ -48,22 +48,24 @@ def _round_up(a: int, b: int) -> int:
   return _cdiv(a, b) * b
 
 
-def check_operands(a_q, a_scale, b_q, b_scale, out_dtype, check_scales=True) -> str | None:
-  """Validates the canonical NT operands; returns "block" or "row" (b_scale kind), or None
-  when told not to check the scales (their kernel layout is checked by the caller)."""
+def _check_matrices(a_q, b_q, out_dtype) -> None:
+  """Validates the fp8 operands of an NT GEMM and its output dtype (not the scales)."""
   if a_q.ndim != 2 or b_q.ndim != 2:
     raise ValueError(f"a_q {a_q.shape} and b_q {b_q.shape} must be 2-D [M, K] and [N, K]"
                      " (flatten batch dims first)")
-  (m, k), (n, k2) = a_q.shape, b_q.shape
-  if k != k2:
+  if a_q.shape[1] != b_q.shape[1]:
     raise ValueError(f"contraction mismatch: a_q {a_q.shape} vs b_q {b_q.shape} (both K-last)")
   for name, x in (("a_q", a_q), ("b_q", b_q)):
     if x.dtype not in FP8_DTYPES:
       raise ValueError(f"{name}.dtype={x.dtype}: must be float8_e4m3fn or float8_e5m2")
   if jnp.dtype(out_dtype) not in OUT_DTYPES:
     raise ValueError(f"out_dtype={out_dtype}: must be bfloat16 or float32")
-  if not check_scales:
-    return None
+
+
+def check_operands(a_q, a_scale, b_q, b_scale, out_dtype) -> str:
+  """Validates the canonical NT operands; returns "block" or "row" (b_scale kind)."""
+  _check_matrices(a_q, b_q, out_dtype)
+  (m, k), n = a_q.shape, b_q.shape[0]
   kb = _cdiv(k, BLOCK)
   if a_scale.shape != (m, kb):
     raise ValueError(f"a_scale.shape={a_scale.shape}: expected {(m, kb)} (1x128 tiles)")
@@ -406,7 +408,6 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
   TuningConfig.split_k). The scales go to the kernel's layout first (kernel_scales);
   matmul_kernel_scales takes them in that layout directly.
   """
-  check_operands(a_q, a_scale, b_q, b_scale, out_dtype)
   return matmul_kernel_scales(a_q, b_q, kernel_scales(a_q, a_scale, b_q, b_scale),
                               out_dtype=out_dtype, config=config, interpret=interpret)
 
@@ -414,7 +415,7 @@ def block_scaled_matmul(a_q, a_scale, b_q, b_scale, *, out_dtype=jnp.bfloat16,
 def matmul_kernel_scales(a_q, b_q, scales: KernelScales, *, out_dtype=jnp.bfloat16,
                          config: TuningConfig | None = None, interpret: bool = False):
   """block_scaled_matmul with its scales already in the kernel's layout (KernelScales)."""
-  check_operands(a_q, None, b_q, None, out_dtype, check_scales=False)
+  _check_matrices(a_q, b_q, out_dtype)
   (m, k), n = a_q.shape, b_q.shape[0]
   kb = _cdiv(k, BLOCK)
   for name, s, want in (("sa_KbxM", scales.sa_KbxM, (kb, m)), ("sb_KbxN", scales.sb_KbxN, (kb, n))):
