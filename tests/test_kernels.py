@@ -65,6 +65,14 @@ def test_reference_matches_float64(kind):
     (72, 264, 136, "row", gemm.TuningConfig(max_concurrent_steps=2, cluster="n", tile_n=192)),
     (136, 72, 648, "row", gemm.TuningConfig(max_concurrent_steps=2, split_k=3)),
     (136, 200, 264, "block", gemm.TuningConfig(max_concurrent_steps=2, epi_n=64)),
+    # Three compute warpgroups (192-row CTA tiles; M tails inside the last one), and one.
+    (200, 200, 264, "block", gemm.TuningConfig(max_concurrent_steps=2, compute_wgs=3)),
+    (1000, 72, 392, "row", gemm.TuningConfig(max_concurrent_steps=4, compute_wgs=3,
+                                             cross_tile=True)),
+    (136, 72, 648, "row", gemm.TuningConfig(max_concurrent_steps=2, compute_wgs=3, split_k=3)),
+    (136, 200, 264, "block", gemm.TuningConfig(max_concurrent_steps=2, compute_wgs=1)),
+    (1000, 264, 392, "block", gemm.TuningConfig(max_concurrent_steps=2, compute_wgs=3,
+                                                cross_tile=False)),  # 18 tiles on 4 CTAs
     # One pipeline across each CTA's tiles (the interpreter has 4 CTAs): 2, 4 and 6 K
     # blocks per tile, 3 or 4 tiles per CTA, tails on every axis.
     (520, 264, 256, "block", gemm.TuningConfig(max_concurrent_steps=4, cross_tile=True)),
@@ -446,6 +454,35 @@ def test_default_config_picks_the_faster_measured_tile_width():
       assert picked == faster, (name, row["label"], by_width, picked)
       checked += 1
   assert checked >= 23  # 16 shapes of run 1, 7 of session 8 (3584x18944x16384 among them)
+
+
+def test_default_config_picks_the_faster_measured_warpgroup_count():
+  """Where an H200 run timed two and three compute warpgroups on the same shape (64x128
+  tiles, all else at the defaults), default_config picks the faster. Session 10's first run
+  timed three as a variant of the two-warpgroup default of the time; the later runs timed two
+  as a variant of the three-warpgroup default."""
+  checked = 0
+  results = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+  for name in ("gemm_h200_s10_compute_wgs.json", "gemm_h200_s10_1p5b.json",
+               "gemm_h200_s10_7b.json"):
+    with open(os.path.join(results, name)) as f:
+      rows = json.load(f)["rows"]
+    for row in rows:
+      picked = gemm.default_config(row["M"], row["N"], row["K"], b_scale=row["b_scale"])
+      if picked.tile_n != 128:
+        continue  # 192-wide wgrad tiles: three warpgroups of them do not fit in registers
+      timed = {c: t["tflops"] for c, t in row["ours_by_config"].items() if "tflops" in t}
+      if name == "gemm_h200_s10_compute_wgs.json":
+        by_wgs = {2: timed["None"], 3: timed["default+compute_wgs=3"]}
+      else:
+        by_wgs = {picked.compute_wgs: timed["None"]}
+        by_wgs.update({2: t for c, t in timed.items()
+                       if "compute_wgs=2" in c and picked.compute_wgs == 3})
+      if len(by_wgs) < 2:
+        continue
+      assert picked.compute_wgs == max(by_wgs, key=by_wgs.get), (name, row["label"], by_wgs)
+      checked += 1
+  assert checked >= 19  # 7 + 6 + 6 shapes with both counts timed
 
 
 def test_gemm_kernel_is_traced_once_per_signature(monkeypatch):

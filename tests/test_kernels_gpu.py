@@ -23,6 +23,9 @@ CONFIGS = [
     gemm.TuningConfig(promotion="paired", cluster="n", split_k=2),
     gemm.TuningConfig(cluster="m", max_concurrent_steps=6, epi_n=64),
     gemm.TuningConfig(tile_n=192, max_concurrent_steps=4, grid_minor_dim="m"),
+    gemm.TuningConfig(compute_wgs=3, max_concurrent_steps=4, epi_n=64),
+    gemm.TuningConfig(compute_wgs=3, max_concurrent_steps=4, epi_n=128, split_k=2),
+    gemm.TuningConfig(compute_wgs=1, max_concurrent_steps=6),
 ]
 # Hopper's FP8 wgmma keeps a reduced-precision sum inside a 128-wide K block (DeepSeek-V3
 # reports ~14 bits), so an f32 output is ~1e-4 off the float64 reference (measured 1.3e-4

@@ -10,9 +10,9 @@ with r(n) = n // 128 for 128x128 weight blocks (b_scale [Nb, Kb]) and r(n) = n
 for 1x128 tiles (b_scale [N, Kb], the wgrad case). Partial sums are promoted to
 the f32 accumulator with their scales at every 128-wide K block, as DeepSeek-V3.
 
-Kernel layout: a persistent grid of one CTA per SM; each CTA has two compute
-warpgroups (WGs), each owning `tile_m` rows x `tile_n` columns of the CTA tile,
-and one memory WG that streams A, B and the scale vectors with TMA. Per K block
+Kernel layout: a persistent grid of one CTA per SM; each CTA has two or three
+compute warpgroups (WGs), each owning `tile_m` rows x `tile_n` columns of the CTA
+tile, and one memory WG that streams A, B and the scale vectors with TMA. Per K block
 a WG runs wgmma into a fresh partial accumulator, then folds it into the main
 accumulator with its per-row (and per-column or per-block) scale
 (TuningConfig.promotion says how that overlaps the next wgmma).
@@ -148,7 +148,7 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
             spec((kps, tn), lambda kk: (kk, 0)),
         ],
         wg_axis="wg",
-        num_compute_wgs=2,
+        num_compute_wgs=config.compute_wgs,
         max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context,
         pipeline_state=pipeline_state,
@@ -160,7 +160,8 @@ def _kernel_body(a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem, *, config: TuningCo
   @functools.partial(
       pl.run_scoped,
       pipeline_allocs=allocs,
-      out_smem=plgpu.SMEM((2 * bufs, tm, epi_n), out_dtype, transforms=out_transforms),
+      out_smem=plgpu.SMEM((config.compute_wgs * bufs, tm, epi_n), out_dtype,
+                          transforms=out_transforms),
       collective_axes="wg",
   )
   def _scope(pipeline_allocs, out_smem):
@@ -330,7 +331,7 @@ def _gemm_kernel(config: TuningConfig, per_column: bool, split_k: int, out_shape
       grid_names=("sm",),
       cluster=(1 + (config.cluster is not None),),
       cluster_names=("cluster",),
-      num_threads=3,
+      num_threads=config.compute_wgs + 1,
       thread_name="wg",
       kernel_name=gemm_kernel_name(out_shape[1], out_shape[2], k, config.tile_n, split_k),
   )
@@ -427,7 +428,11 @@ def matmul_kernel_scales(a_q, b_q, scales: KernelScales, *, out_dtype=jnp.bfloat
   kind = scales.kind
   out_dtype = jnp.dtype(out_dtype)
   num_sms = _num_sms() if not interpret else 4
-  config = config or default_config(m, n, k, num_sms, b_scale=kind)
+  # The interpreter runs each warpgroup of a CTA as a thread executing its own XLA program;
+  # inside a jitted train step, four per CTA deadlocked on a 2-core host (session 10), so its
+  # default stays at two compute warpgroups (three run when a config asks for them).
+  config = config or default_config(m, n, k, num_sms, b_scale=kind,
+                                    max_compute_wgs=2 if interpret else 3)
   # Swizzled TMA needs whole (8, 128)-byte tiles in each array; tiles overhanging
   # that padding are read as zeros and dropped on write by TMA. An array smaller than
   # one tile is padded to a whole tile: on the H200 such a TMA box gave all-zero output.

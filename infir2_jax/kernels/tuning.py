@@ -17,11 +17,16 @@ class TuningConfig:
   """Tile sizes and schedule of the kernel.
 
   Attributes:
-    tile_m: rows per compute warpgroup; the CTA covers 2 * tile_m rows.
-    tile_n: columns per CTA (both warpgroups share the B tile).
+    tile_m: rows per compute warpgroup; the CTA covers compute_wgs * tile_m rows.
+    tile_n: columns per CTA (the compute warpgroups share the B tile).
     promotion: how partial sums reach the f32 accumulator. "serial" (fastest
-      measured, 1123 TFLOP/s at 8192^3 on an H200): wgmma a K block, wait, fold
-      it in; the other warpgroup's wgmma fills the gap. "carried" (1021): fold
+      measured, 1123 TFLOP/s at 8192^3 on an H200 with two compute warpgroups):
+      wgmma a K block, wait, fold it in; the other warpgroups' wgmma fill the gap
+      (see compute_wgs). ptxas already issues each K block's first wgmma with
+      scale-d = 0, so the fresh partial accumulator costs no zeroing (SASS,
+      session 10). Splitting the tile's columns into two or four accumulators, each
+      folded in while the next one's wgmma runs, was slower (8192^3: 942 and 726 vs
+      1131; benchmarks/NOTES_kernels.md, session 10). "carried" (1021): fold
       block k in while the wgmma of block k+1 runs, carrying block k's partial
       in registers (register moves every step). "paired" (434): steps of two K
       blocks with the second wgmma in flight across steps in a persistent
@@ -58,6 +63,11 @@ class TuningConfig:
       next tile) is converted; needs an even number of chunks per tile (tile_n /
       epi_n). Measured on the H200 (benchmarks/NOTES_kernels.md, session 8): no
       gain on any 1.5B shape (K=256 dgrad 450 vs 454 TFLOP/s), so 1 by default.
+    compute_wgs: compute warpgroups per CTA (1-3), each on its own tile_m rows. Every
+      warpgroup waits for its wgmma before folding the partial sums in, so the tensor
+      core idles unless another warpgroup's wgmma is queued: three keep it busier than
+      two (8192^3 on the H200: 1318 vs 1136 TFLOP/s side by side, session 10), at 2/3 of
+      the registers each (152: enough for 64x128 tiles, not for 192-wide ones).
   """
   tile_m: int = 64
   tile_n: int = 128
@@ -72,6 +82,7 @@ class TuningConfig:
   cross_tile: bool | None = None
   epi_buffers: int = 1
   split_reduce: str = "xla"
+  compute_wgs: int = 2
 
   def __post_init__(self):
     if self.promotion not in PROMOTIONS:
@@ -92,15 +103,18 @@ class TuningConfig:
       raise ValueError(f"epi_n={self.epi_n}: must be a multiple of 32 dividing tile_n")
     if self.split_reduce not in SPLIT_REDUCTIONS:
       raise ValueError(f"split_reduce={self.split_reduce!r}: must be one of {SPLIT_REDUCTIONS}")
+    if self.compute_wgs not in (1, 2, 3):
+      raise ValueError(f"compute_wgs={self.compute_wgs}: must be 1, 2 or 3")
     if self.epi_buffers not in (1, 2):
       raise ValueError(f"epi_buffers={self.epi_buffers}: must be 1 or 2")
 
   @property
   def cta_m(self) -> int:
-    return 2 * self.tile_m
+    return self.compute_wgs * self.tile_m
 
 
-# Measured on an H200 (benchmarks/NOTES_kernels.md): best of the sweep at 8192^3.
+# Measured on an H200 (benchmarks/NOTES_kernels.md): best two-warpgroup config of the sweep
+# at 8192^3; default_config runs it with three compute warpgroups where the cost model says.
 DEFAULT_CONFIG = TuningConfig(max_concurrent_steps=6, epi_n=64)
 SMEM_BYTES = 232448  # Per-block shared memory on H100/H200 (227 KiB).
 
@@ -114,31 +128,46 @@ def split_k_blocks(k_blocks: int, split_k: int) -> int:
   return per
 
 
-def choose_split_k(m, n, k, config: TuningConfig, num_sms: int,
-                    flops_per_s=1.1e15, bytes_per_s=3.5e12) -> int:
-  """Split-K that minimizes a simple time model: waves of tiles plus the partials' traffic.
+def choose_split_k(m, n, k, config: TuningConfig, num_sms: int) -> int:
+  """Split-K that minimizes modeled_time: waves of tiles plus the partials' traffic.
 
   Only splits dividing the K blocks are considered: on the 1.5B's kv wgrad the model
   preferred 5 ragged splits (one round of 120 CTAs) to 4, and the H200 measured 460 vs
   467 TFLOP/s (benchmarks/NOTES_kernels.md, session 8); ragged splits stay available as
   an explicit split_k.
   """
+  return _best_split(m, n, k, config, num_sms)[0]
+
+
+def modeled_time(m, n, k, config: TuningConfig, num_sms: int) -> float:
+  """Seconds the cost model gives config on an [m, k] x [n, k] problem (best split-K)."""
+  return _best_split(m, n, k, config, num_sms)[1]
+
+
+# Mainloop speed per FLOP of three compute warpgroups over two (64x128 tiles each), side by
+# side on the H200 (session 10): 8192^3 1.16, 16384x1536x8960 1.17, 16384x8960x1536 1.13.
+COMPUTE_WGS_GAIN = {3: 1.15}
+
+
+def _best_split(m, n, k, config: TuningConfig, num_sms: int,
+                flops_per_s=1.1e15, bytes_per_s=3.5e12) -> tuple[int, float]:
   cm = 2 if config.cluster == "m" else 1
   cn = 2 if config.cluster == "n" else 1
   tiles = _cdiv(m, cm * config.cta_m) * _cdiv(n, cn * config.tile_n) * cm * cn
   kb = _cdiv(k, BLOCK)
+  per_sm = flops_per_s * COMPUTE_WGS_GAIN.get(config.compute_wgs, 1.0) / num_sms
   best, best_t = 1, None
   for s in range(1, 17):
     per = _cdiv(kb, s)
-    if per < 4 or kb % s:
+    if s > 1 and (per < 4 or kb % s):
       continue
     rounds = _cdiv(tiles * s, num_sms)  # persistent CTAs: each takes this many items
-    t = rounds * (2.0 * config.cta_m * config.tile_n * per * BLOCK) / (flops_per_s / num_sms)
+    t = rounds * (2.0 * config.cta_m * config.tile_n * per * BLOCK) / per_sm
     if s > 1:
       t += 3 * s * m * n * 4 / bytes_per_s  # f32 partials: written, read, summed
     if best_t is None or t < best_t:
       best, best_t = s, t
-  return best
+  return best, best_t
 
 
 HOPPER_SMS = 132  # H100 SXM and H200
@@ -146,10 +175,17 @@ WIDE_TILE_GAIN = 1.15  # long-K (wgrad) speed per FLOP of 64x192 warpgroup tiles
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = HOPPER_SMS,
-                   b_scale: str = "block") -> TuningConfig:
+                   b_scale: str = "block", max_compute_wgs: int = 3) -> TuningConfig:
   """The measured-best config for an [m, k] x [n, k] problem on an H200.
 
   Short K (<= SHORT_K) stages the output in one 128-wide chunk per warpgroup (SHORT_K_CONFIG).
+
+  Three compute warpgroups (192-row CTA tiles) run the mainloop ~1.15x faster per FLOP than
+  two (COMPUTE_WGS_GAIN) but make 1.5x larger tiles, so the cost model (modeled_time:
+  rounds of persistent tiles, split-K) picks between them: three on the 1.5B's large
+  fprop/dgrad and its K=256 dgrad and kv wgrad, two on 16384x256x1536 (172 tiles of 192 rows
+  need 2 rounds as 256 of 128 rows do: 626 vs 711 TFLOP/s measured). max_compute_wgs=2
+  keeps two (block_scaled_matmul's interpret mode does).
 
   64x192 warpgroup tiles win only on the wgrad GEMMs (b_scale "row": 1x128 tiles on both
   operands, K = tokens), and there only where their rounds of persistent tiles do not cost
@@ -169,9 +205,11 @@ def default_config(m: int, n: int, k: int, num_sms: int = HOPPER_SMS,
     rounds_192 = _cdiv(_cdiv(m, 128) * _cdiv(n, 192), num_sms)
     if tiles_128 >= num_sms and 1.5 * rounds_192 < WIDE_TILE_GAIN * rounds_128:
       return TuningConfig(tile_n=192, max_concurrent_steps=4)
-  if k <= SHORT_K:
-    return SHORT_K_CONFIG
-  return DEFAULT_CONFIG
+  two = SHORT_K_CONFIG if k <= SHORT_K else DEFAULT_CONFIG
+  if max_compute_wgs < 3:
+    return two
+  three = dataclasses.replace(two, compute_wgs=3, max_concurrent_steps=4)
+  return min((two, three), key=lambda c: modeled_time(m, n, k, c, num_sms))
 
 
 # K <= 512 (2-4 K blocks per tile): the epilogue is a large share of each tile, and one
@@ -219,7 +257,7 @@ def _stage_bytes(config: TuningConfig) -> int:
 
 
 def _out_bytes(config: TuningConfig, epi_n: int, out_dtype, buffers: int) -> int:
-  return buffers * 2 * config.tile_m * epi_n * jnp.dtype(out_dtype).itemsize
+  return buffers * config.compute_wgs * config.tile_m * epi_n * jnp.dtype(out_dtype).itemsize
 
 
 SMEM_RESERVED = 2048  # barriers and alignment
