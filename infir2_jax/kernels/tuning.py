@@ -208,7 +208,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = HOPPER_SMS,
   two = SHORT_K_CONFIG if k <= SHORT_K else DEFAULT_CONFIG
   if max_compute_wgs < 3:
     return two
-  three = dataclasses.replace(two, compute_wgs=3, max_concurrent_steps=4)
+  three = dataclasses.replace(two, compute_wgs=3)  # fit_stages caps its depth (4 stages)
   return min((two, three), key=lambda c: modeled_time(m, n, k, c, num_sms))
 
 
