@@ -22,7 +22,7 @@ def main():
   p.add_argument("--out", default="")
   args = p.parse_args()
   import jax
-  from infir2_jax.benchtools import compile_train_step
+  from infir2_jax.bench.tools import compile_train_step
   from infir2_jax.config import load_config
 
   cfg = load_config(args.config, [f"seq_len={args.seq_len}", f"batch_size={args.batch_size}",

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def compile_one(config: str, overrides: list[str]) -> dict:
   import jax
-  from infir2_jax.benchtools import compile_train_step
+  from infir2_jax.bench.tools import compile_train_step
   from infir2_jax.config import load_config
 
   step = compile_train_step(load_config(config, ["mesh.data=1", *overrides]), jax.devices()[:1])
@@ -45,7 +45,7 @@ def main():
   if args.child:
     print("RESULT " + json.dumps(compile_one(args.config, json.loads(args.child))), flush=True)
     return
-  from infir2_jax import benchtools
+  from infir2_jax.bench import tools as benchtools
   results = {**benchtools.run_info(sys.argv), "variants": []}
   print(f"{'recipe':16} {'scan':>5} {'lower s':>8} {'compile s':>9} {'temp GiB':>8}")
   for recipe in args.recipes.split(","):

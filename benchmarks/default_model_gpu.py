@@ -34,10 +34,10 @@ def main():
                              + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
                              " --xla_dump_hlo_module_re=.*train_step.*").strip()
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from infir2_jax import benchtools
+  from infir2_jax.bench import tools as benchtools
   from infir2_jax.config import load_config
   from infir2_jax.precision import hlo_fp8_gemm_count
-  from infir2_jax.trainer import train
+  from infir2_jax.train.trainer import train
 
   os.makedirs(args.out, exist_ok=True)
   summary = {**benchtools.run_info(sys.argv), "runs": []}

@@ -36,9 +36,9 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from infir2_jax import kernels
-from infir2_jax import benchtools
-from infir2_jax.kernels import gemm
+from infir2_jax.precision import kernels
+from infir2_jax.bench import tools as benchtools
+from infir2_jax.precision.kernels import gemm
 
 import cublas_blockwise  # benchmarks/, next to this script
 

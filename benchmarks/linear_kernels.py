@@ -19,8 +19,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from infir2_jax import benchtools
-from infir2_jax import kernels
+from infir2_jax.bench import tools as benchtools
+from infir2_jax.precision import kernels
 from infir2_jax.precision import dot_general
 
 SHAPES_1P5B = {"q_proj": (1536, 1536), "k_proj": (1536, 256), "gate_proj": (1536, 8960),

@@ -16,8 +16,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from infir2_jax import kernels
-from infir2_jax import benchtools
+from infir2_jax.precision import kernels
+from infir2_jax.bench import tools as benchtools
 
 ACTIVATIONS = [(16384, 1536), (16384, 8960), (32768, 8192), (16384, 3584)]
 WEIGHTS = [(1536, 8960), (8960, 1536), (3584, 18944)]
@@ -52,7 +52,7 @@ def _xla_precision(kind):
     ref = {"tiles": lambda x: kernels.quantize_tiles_reference(x),
            "tilesT": lambda x: kernels.quantize_tiles_reference(x, with_transpose=True),
            "blocks": lambda x: kernels.quantize_blocks_reference(x)}[kind]
-    return ref, "infir2_jax.kernels.quantize_*_reference"
+    return ref, "infir2_jax.precision.kernels.quantize_*_reference"
 
 
 def bench(kind, shape, n_sets, iters, seed):

@@ -13,6 +13,7 @@ Tokens are synthetic ids (no tokenizer or data). Each (recipe, mesh) trains in a
 process so that device.memory_stats()["peak_bytes_in_use"] is that run's own peak.
 """
 
+import functools
 import argparse
 import importlib.util
 import json
@@ -53,28 +54,29 @@ def load_config(path: str, *, tiny: bool, recipe: str, seq_len: int, batch_size:
 
 def _setup(cfg, devices):
   """mesh, rules, model, optimizer, init fn and FP8 alignment problems of a run."""
-  from infir2_jax import sharding
-  from infir2_jax.optim import make_optimizer
-  from infir2_jax.trainer import build_model, init_params_fn
-  mesh = sharding.make_mesh(cfg.mesh, devices)
-  rules = sharding.logical_rules(cfg.mesh, cfg.model, mesh)
-  problems = sharding.check_fp8_alignment(
-      cfg.model, mesh, rules, cfg.precision, batch_rows=cfg.batch_size // cfg.grad_accum_steps,
-      seq_len=cfg.seq_len, mode="warn")
+  from infir2_jax import parallel
+  from infir2_jax.train.optim import make_optimizer
+  from infir2_jax.model import init_params, projections
+  from infir2_jax.train.trainer import build_model
+  mesh = parallel.make_mesh(cfg.mesh, devices)
+  rules = parallel.logical_rules(cfg.mesh, cfg.model, mesh)
+  problems = parallel.check_fp8_alignment(
+      projections(cfg.model), mesh, rules, cfg.precision,
+      batch_rows=cfg.batch_size // cfg.grad_accum_steps, seq_len=cfg.seq_len, mode="warn")
   model = build_model(cfg)
   optimizer = make_optimizer(cfg.opt, cfg.steps)
-  return mesh, rules, model, optimizer, init_params_fn(model, cfg), problems
+  return mesh, rules, model, optimizer, functools.partial(init_params, model), problems
 
 
 def _jit_step(cfg, mesh, rules, model, optimizer, shardings):
   import jax
-  from infir2_jax import sharding
-  from infir2_jax.optim import make_schedule
-  from infir2_jax.train_step import make_train_step
+  from infir2_jax import parallel
+  from infir2_jax.train.optim import make_schedule
+  from infir2_jax.train.step import make_train_step
   return jax.jit(make_train_step(model, optimizer, make_schedule(cfg.opt, cfg.steps),
                                  cfg.grad_accum_steps),
-                 in_shardings=(shardings, sharding.batch_sharding(mesh, rules)),
-                 out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
+                 in_shardings=(shardings, parallel.batch_sharding(mesh, rules)),
+                 out_shardings=(shardings, parallel.replicated(mesh)), donate_argnums=0)
 
 
 def memory_analysis_dict(compiled) -> dict:
@@ -94,7 +96,8 @@ def train_one(spec: dict) -> dict:
   """Trains spec["steps"] steps of one (recipe, mesh) in this process; returns its numbers."""
   import flax.linen as nn
   import jax
-  from infir2_jax import benchtools, sharding
+  from infir2_jax.bench import tools as benchtools
+  from infir2_jax import parallel
   mesh_shape = tuple(spec["mesh"])
   cfg = load_config(spec["config"], tiny=spec["tiny"], recipe=spec["recipe"],
                     seq_len=spec["seq_len"], batch_size=spec["batch_size"], mesh=mesh_shape,
@@ -102,10 +105,10 @@ def train_one(spec: dict) -> dict:
   devices = jax.devices()[:math.prod(mesh_shape)]
   mesh, rules, model, optimizer, init, problems = _setup(cfg, devices)
   t0 = time.perf_counter()
-  state, shardings = sharding.sharded_init(init, optimizer, mesh, rules, jax.random.key(0))
+  state, shardings = parallel.sharded_init(init, optimizer, mesh, rules, jax.random.key(0))
   jax.block_until_ready(state)
   init_s = time.perf_counter() - t0
-  batch_sharding = sharding.batch_sharding(mesh, rules)
+  batch_sharding = parallel.batch_sharding(mesh, rules)
   batch = jax.device_put(
       benchtools.synthetic_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size),
       batch_sharding)
@@ -165,7 +168,7 @@ def _as_on_hopper(cfg):
   """The choices a Hopper GPU process makes by itself, made explicit for a deviceless
   compile on a CPU host: cuDNN attention for "auto", the Pallas kernels for "auto"."""
   import dataclasses
-  from infir2_jax import kernels
+  from infir2_jax.precision import kernels
   kernels.available = lambda: True  # the target is an H100/H200 (sm_90)
   if cfg.model.attention == "auto":
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="cudnn"))
@@ -176,8 +179,9 @@ def aot_one(spec: dict) -> dict:
   """Compiles the train step for spec["devices"] GPUs ahead of time; memory per device."""
   import flax.linen as nn
   import jax
-  from infir2_jax import benchtools, sharding
-  from infir2_jax.runtime import DEFAULT_MEMORY_FRACTION
+  from infir2_jax.bench import tools as benchtools
+  from infir2_jax import parallel
+  from infir2_jax.parallel.distributed import DEFAULT_MEMORY_FRACTION
   mesh_shape = tuple(spec["mesh"])
   cfg = load_config(spec["config"], tiny=spec["tiny"], recipe=spec["recipe"],
                     seq_len=spec["seq_len"], batch_size=spec["batch_size"], mesh=mesh_shape,
@@ -190,8 +194,8 @@ def aot_one(spec: dict) -> dict:
   if how.startswith("deviceless"):  # compiling for the GPU on a CPU host: as on that GPU
     cfg = _as_on_hopper(cfg)
   mesh, rules, model, optimizer, init, problems = _setup(cfg, devices)
-  structs, shardings = sharding.abstract_state(init, optimizer, mesh, rules)
-  batch_sharding = sharding.batch_sharding(mesh, rules)
+  structs, shardings = parallel.abstract_state(init, optimizer, mesh, rules)
+  batch_sharding = parallel.batch_sharding(mesh, rules)
   batch = benchtools.abstract_batch(cfg.batch_size, cfg.seq_len, batch_sharding)
   t0 = time.perf_counter()
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
@@ -205,7 +209,7 @@ def aot_one(spec: dict) -> dict:
           "compile_s": time.perf_counter() - t0, "memory_analysis": memory,
           "fits_141GB": needed <= H200_BYTES,
           # what JAX's allocator may hand out: XLA_PYTHON_CLIENT_MEM_FRACTION of the card
-          # (runtime.default_memory_fraction sets 0.95; JAX's own default 0.75 is smaller)
+          # (distributed.default_memory_fraction sets 0.95; JAX's own default 0.75 is smaller)
           "fits_allocator_pool": needed <= H200_BYTES * float(
               os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEMORY_FRACTION)),
           "fp8_alignment_problems": problems,
@@ -352,16 +356,16 @@ def main(argv=None) -> int:
   if args.mode == "_child":
     kind, spec = args.child[0], json.loads(args.child[1])
     if kind == "train" and not spec["tiny"]:  # runs after the first reuse its init compile
-      from infir2_jax import runtime
-      runtime.default_memory_fraction()
-      runtime.enable_compilation_cache()
+      from infir2_jax.parallel import distributed
+      distributed.default_memory_fraction()
+      distributed.enable_compilation_cache()
     print("RESULT " + json.dumps(train_one(spec) if kind == "train" else aot_one(spec)),
           flush=True)
     return 0
   if args.tiny:
     args.seq_len, args.batch_size, args.aot_batch_size = 128, 4, 8
     os.environ.update(child_env(True))  # before this process imports jax (in-process runs)
-  from infir2_jax import benchtools  # imports jax; run_info(with_device=False) starts no backend
+  from infir2_jax.bench import tools as benchtools  # imports jax; run_info(with_device=False) starts no backend
   results = []
   common = {"tiny": args.tiny, "seq_len": args.seq_len, "overrides": args.override,
             "in_process": args.tiny and not args.children}

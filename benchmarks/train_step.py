@@ -67,7 +67,7 @@ def _batches(cfg, count: int, shuffle_seed: int, data: str):
   """`count` host batches: the config's text pipeline, or random ids."""
   import dataclasses
   if data == "synthetic":
-    from infir2_jax.benchtools import synthetic_batch
+    from infir2_jax.bench.tools import synthetic_batch
     return [synthetic_batch(cfg.batch_size, cfg.seq_len, cfg.model.vocab_size,
                             seed=shuffle_seed * count + i) for i in range(count)]
   from infir2_jax.data import make_data
@@ -97,8 +97,8 @@ def run_one(args, label: str, seq_len: int) -> dict:
   """Compiles one train step variant from abstract shapes, then times it."""
   import jax
   import numpy as np
-  from infir2_jax import sharding as sharding_lib
-  from infir2_jax.benchtools import compile_train_step
+  from infir2_jax import parallel
+  from infir2_jax.bench.tools import compile_train_step
   from infir2_jax.config import load_config
   from infir2_jax.precision import hlo_fp8_gemm_count
 
@@ -120,12 +120,12 @@ def run_one(args, label: str, seq_len: int) -> dict:
            and seq_len == max(int(s) for s in args.seq_lens.split(",")))
   noise_batches = _batches(cfg, total_steps, 1, args.data) if noise else None
   print(f"COMPILED in {compile_s:.1f} s", flush=True)
-  from infir2_jax.benchtools import GpuTelemetry
+  from infir2_jax.bench.tools import GpuTelemetry
   telemetry = GpuTelemetry()  # SM clock and power over the steps (not the idle init compile)
 
   def train(batches, sampled=contextlib.nullcontext()):
     t0 = time.perf_counter()
-    state, _ = sharding_lib.sharded_init(init_fn, optimizer, mesh, rules, jax.random.key(0))
+    state, _ = parallel.sharded_init(init_fn, optimizer, mesh, rules, jax.random.key(0))
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t0
     device_batches = [jax.device_put(b, batch_sharding) for b in batches]
@@ -171,7 +171,7 @@ def run_one(args, label: str, seq_len: int) -> dict:
       "gpu_telemetry": telemetry.summary if jax.default_backend() == "gpu" else None,
   }
   if trace_dir:
-    from infir2_jax.profile_summary import summarize_trace
+    from infir2_jax.bench.profile import summarize_trace
     result["profile"] = summarize_trace(trace_dir)
   return result
 
@@ -196,16 +196,16 @@ def main():
   args = _parse()
   if args.child:
     label, seq_len = args.child.rsplit(":", 1)
-    from infir2_jax import runtime  # variants after the first reuse the init's compile
-    runtime.default_memory_fraction()  # as `python -m infir2_jax.train` (runtime.initialize)
-    runtime.enable_compilation_cache()
+    from infir2_jax.parallel import distributed  # variants after the first reuse the init's compile
+    distributed.default_memory_fraction()  # as `python -m infir2_jax.train` (distributed.initialize)
+    distributed.enable_compilation_cache()
     print("RESULT " + json.dumps(run_one(args, label, int(seq_len))), flush=True)
     return
   # before jax starts: the parent must not hold 75% of the GPU while the children run
   os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # (and a child's peak is its own)
   import tempfile
   import jax
-  from infir2_jax import benchtools
+  from infir2_jax.bench import tools as benchtools
   results = {**benchtools.run_info(sys.argv), "python": platform.python_version(),
              "method": "one subprocess per variant, one at a time (compile, then train); "
                        "XLA_PYTHON_CLIENT_PREALLOCATE=false",

@@ -9,7 +9,7 @@
 CPU demo (the small default model on the shipped CHAMP competition-math chats, minutes),
 starting from the pretrained embedded default (`python -m infir2_jax.train` -> runs/default):
   python -m infir2_jax.train --config=configs/sft_stage1.py:demo --workdir=runs/sft_demo1
-  python -m infir2_jax.evaluate --workdir=runs/sft_demo1 --limit=16
+  python -m infir2_jax.inference.evaluate --workdir=runs/sft_demo1 --limit=16
 
 Settings (paper, and the release's docs/SFT.md + scripts/SFT/*.sh): Adam lr 2e-5, betas
 0.9/0.95, no weight decay, cosine with 5% warm-up down to 0.1 x lr (the scripts' min-lr

@@ -1,8 +1,9 @@
-"""Configuration: ml_collections ConfigDicts in, frozen dataclasses out.
+"""The run's configuration: ml_collections ConfigDicts in, frozen dataclasses out.
 
-Each subsystem owns a frozen dataclass of its settings (ModelConfig, DataConfig,
-PrecisionConfig, OptConfig, ...). `default_config()` builds the ConfigDict from those
-dataclasses' defaults (the embedded default run), config files in configs/ edit it, and
+The model, data, precision and mesh sections are owned by their packages (ModelConfig,
+DataConfig, PrecisionConfig, MeshConfig); the training loop's own sections (opt, checkpoint,
+eval, log, init) live here with TrainConfig. `default_config()` builds the ConfigDict from
+the dataclasses' defaults (the embedded default run), config files in configs/ edit it, and
 `TrainConfig.from_config_dict` turns the result back into typed, validated dataclasses once.
 Modules never see a ConfigDict.
 """
@@ -19,13 +20,58 @@ from typing import Any
 
 import ml_collections
 
-from infir2_jax.checkpoint import CheckpointConfig
 from infir2_jax.data.config import DataConfig
-from infir2_jax.metrics import LogConfig
 from infir2_jax.model.config import ModelConfig
-from infir2_jax.optim import OptConfig
+from infir2_jax.parallel.mesh import MeshConfig
 from infir2_jax.precision.config import PrecisionConfig
-from infir2_jax.sharding import MeshConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class OptConfig:
+  lr: float = 3e-3                 # peak learning rate
+  schedule: str = "wsd"            # "wsd" (warm-up, stable, decay) | "cosine" | "constant"
+  warmup_steps: int = 30           # linear warm-up from 0 to lr
+  decay_fraction: float = 0.2      # wsd: last fraction of the steps decays linearly
+  min_lr_ratio: float = 0.1        # final lr = lr * min_lr_ratio (wsd and cosine)
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1        # decoupled; never applied to norms or biases
+  clip_norm: float = 1.0           # global-norm clipping (0 = off)
+
+  def __post_init__(self):
+    if self.schedule not in ("wsd", "cosine", "constant"):
+      raise ValueError(f"opt.schedule={self.schedule!r}; valid: 'wsd', 'cosine', 'constant'")
+    if self.lr <= 0:
+      raise ValueError(f"opt.lr must be positive, got {self.lr}")
+    if not 0.0 <= self.decay_fraction <= 1.0:
+      raise ValueError(f"opt.decay_fraction must be in [0, 1], got {self.decay_fraction}")
+    if self.warmup_steps < 0:
+      raise ValueError(f"opt.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every_steps: int = 50    # save every N optimizer steps (and at the end); 0 = only at the end
+  keep: int = 3            # keep the last K checkpoints
+  async_save: bool = True  # write in the background while training continues
+
+  def __post_init__(self):
+    if self.every_steps < 0 or self.keep < 1:
+      raise ValueError(f"checkpoint.every_steps must be >= 0 and checkpoint.keep >= 1, "
+                       f"got {self.every_steps}, {self.keep}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+  every_steps: int = 1          # console/TensorBoard/jsonl every N steps
+  tensorboard: bool = True      # write TensorBoard event files under WORKDIR/tb
+  progress_bar: bool = True     # tqdm bar on the console (plain lines when False)
+  peak_tflops: float = 0.0      # per-device peak for MFU; 0 = from the device kind (no MFU on CPU)
+
+  def __post_init__(self):
+    if self.every_steps < 1:
+      raise ValueError(f"log.every_steps must be >= 1, got {self.every_steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +147,7 @@ def _from_dict(cls, values: dict[str, Any], prefix: str):
   hints = typing.get_type_hints(cls)
   unknown = sorted(set(values) - set(fields))
   if unknown:
-    valid = ", ".join(sorted(prefix + name for name in fields))
-    hint = ""
-    close = difflib.get_close_matches(unknown[0], list(fields), n=1)
-    if close:
-      hint = f" Did you mean {prefix + close[0]!r}?"
-    raise ValueError(f"Unknown config key(s): {', '.join(prefix + k for k in unknown)}.{hint} "
-                     f"Valid keys here: {valid}")
+    raise unknown_key_error(prefix + unknown[0], [prefix + name for name in fields])
   kwargs = {}
   for name, value in values.items():
     hint = hints[name]
@@ -140,6 +180,14 @@ def _coerce(value, hint, key: str):
   return value
 
 
+def unknown_key_error(key: str, valid: Sequence[str], where: str = "") -> ValueError:
+  """The error for a key that is not a config key: the closest valid one, and all of them."""
+  close = difflib.get_close_matches(key, list(valid), n=1)
+  hint = f" Did you mean {close[0]!r}?" if close else ""
+  return ValueError(f"Unknown config key {key!r}{where}.{hint}\nValid keys:\n  "
+                    + "\n  ".join(sorted(valid)))
+
+
 def flat_keys(cfg_cls=TrainConfig, prefix: str = "") -> list[str]:
   """Every valid dotted key, e.g. 'opt.lr', 'model.hidden_size'."""
   keys = []
@@ -162,12 +210,8 @@ def check_override_flags(argv: list[str], flag: str = "config") -> None:
     if not arg.startswith(f"--{flag}."):
       continue
     key = arg[len(flag) + 3:].split("=", 1)[0]
-    if key in valid:
-      continue
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"Unknown config key {key!r} in {arg!r}.{hint}\nValid keys:\n  "
-                     + "\n  ".join(valid))
+    if key not in valid:
+      raise unknown_key_error(key, valid, f" in {arg!r}")
 
 
 def load_config(spec: str = "", overrides: "dict[str, Any] | Sequence[str]" = ()) -> TrainConfig:
@@ -187,10 +231,7 @@ def apply_overrides(config: ml_collections.ConfigDict,
   valid = flat_keys()
   for key, value in items:
     if key not in valid:
-      close = difflib.get_close_matches(key, valid, n=1)
-      raise ValueError(f"Unknown config key {key!r}."
-                       + (f" Did you mean {close[0]!r}?" if close else "")
-                       + f" Valid keys: {', '.join(valid)}")
+      raise unknown_key_error(key, valid)
     *path, leaf = key.split(".")
     section = config
     for name in path:

@@ -4,7 +4,7 @@
       python -m infir2_jax.train --config=configs/default.py:smoke --workdir=runs/mp
 
 Each process gets JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (read by
-infir2_jax.runtime.initialize) and, on CPU, `cpu_devices` fake devices talking over gloo;
+infir2_jax.parallel.distributed.initialize) and, on CPU, `cpu_devices` fake devices talking over gloo;
 with --gpus_per_process each gets its own GPUs (JAX_LOCAL_DEVICE_IDS). Output lines are
 prefixed with [pI seconds]. If one process fails, the others are stopped; the exit status is the
 first non-zero one.

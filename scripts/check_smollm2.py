@@ -7,7 +7,7 @@
 SmolLM2 is a Llama (Qwen2 without q/k/v biases): 576 wide, 30 layers, 9/3 heads, vocab
 49,152, tied, rope_theta 1e5. transformers dequantizes the GGUF to float32 and saves an HF
 safetensors directory; `infir2_jax.hf.load_pretrained` reads that directory (the same path
-as any HF checkpoint) and `infir2_jax.generate` continues three chat prompts greedily.
+as any HF checkpoint) and `infir2_jax.inference.generate` continues three chat prompts greedily.
 Exits non-zero unless every continuation equals transformers' `generate` token for token.
 """
 
@@ -66,7 +66,8 @@ def run(out_dir: str, new_tokens: int = 24) -> list[dict]:
   import jax
   import numpy as np
   import torch
-  from infir2_jax import generate, hf
+  from infir2_jax.inference import generate
+  from infir2_jax import hf
   t0 = time.time()
   hf_model, tokenizer = convert(out_dir)
   t1 = time.time()

@@ -1,4 +1,4 @@
-"""infir2_jax.benchtools.GpuTelemetry with a stand-in nvidia-smi (no GPU here)."""
+"""infir2_jax.bench.tools.GpuTelemetry with a stand-in nvidia-smi (no GPU here)."""
 
 import os
 import stat
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from infir2_jax.benchtools import GpuTelemetry
+from infir2_jax.bench.tools import GpuTelemetry
 
 
 def test_parse_skips_unreadable_lines():

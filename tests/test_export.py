@@ -14,11 +14,14 @@ import numpy as np
 import optax
 import pytest
 
-from infir2_jax import export, hf
-from infir2_jax.checkpoint import Checkpointer, CheckpointConfig
-from infir2_jax.config import TrainConfig
+from infir2_jax import export
+from infir2_jax import hf
+from infir2_jax.config import CheckpointConfig, TrainConfig
 from infir2_jax.data.config import DataConfig
-from infir2_jax.model import ModelConfig, Qwen2
+from infir2_jax.hf import save as hf_save
+from infir2_jax.model import ModelConfig, Qwen2, abstract_params
+from infir2_jax.train import rundir
+from infir2_jax.train.checkpoint import Checkpointer, restore_params
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -48,11 +51,10 @@ def run(tmp_path_factory):
   """A run directory as the trainer leaves it: config.json + checkpoints/<step>/state."""
   workdir = str(tmp_path_factory.mktemp("run"))
   cfg = TrainConfig(model=MODEL, data=DataConfig(format="chat", system_prompt=SYSTEM))
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump(cfg.to_dict(), f)
+  rundir.write_config(workdir, cfg)
   params = random_params(MODEL)
   state = {"step": np.int32(7), "params": params, "opt_state": optax.adamw(1e-3).init(params)}
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), CheckpointConfig(async_save=False))
+  ckpt = Checkpointer(workdir, CheckpointConfig(async_save=False))
   ckpt.save(7, state, None)
   ckpt.close()
   return workdir, params
@@ -169,7 +171,7 @@ def test_transformers_loads_fp8_export_and_matches_dequantized_weights(run, tmp_
   flat = flax.traverse_util.flatten_dict(bf16(params), sep="/")
   for name, value in flax.traverse_util.flatten_dict(params, sep="/").items():
     if name.endswith("_proj/kernel"):
-      tensors = export.hf_tensors({name: value}, MODEL, fp8=True)
+      tensors = hf_save.hf_tensors({name: value}, MODEL, fp8=True)
       q, s = (tensors[k] for k in sorted(tensors))   # "...weight", "...weight_scale_inv"
       scale = np.kron(s, np.ones((128, 128), np.float32))[:q.shape[0], :q.shape[1]]
       deq = q.astype(np.float32) * scale
@@ -182,7 +184,7 @@ def test_transformers_loads_fp8_export_and_matches_dequantized_weights(run, tmp_
 def test_llama_style_model_exports_as_llama(tmp_path):
   cfg = dataclasses.replace(MODEL, qkv_bias=False, tie_embeddings=False, vocab_size=512)
   params = random_params(cfg, seed=2)
-  export.export_params(params, cfg, str(tmp_path))
+  hf_save.export_params(params, cfg, str(tmp_path))
   assert json.load(open(tmp_path / "config.json"))["architectures"] == ["LlamaForCausalLM"]
   tokens = np.random.RandomState(2).randint(0, 512, (1, 12))
   np.testing.assert_allclose(theirs(str(tmp_path), tokens), ours(bf16(params), tokens, cfg),
@@ -190,22 +192,21 @@ def test_llama_style_model_exports_as_llama(tmp_path):
 
 
 def test_bad_step_is_an_error(run, tmp_path):
-  with pytest.raises(ValueError, match="--step=3 is not a checkpoint.*available: \\[7\\]"):
+  with pytest.raises(ValueError, match="step 3 is not a checkpoint.*available: \\[7\\]"):
     export.export_run(run[0], str(tmp_path), step=3)
 
 
 def test_restore_params_only_into_target_shardings(run):
   """Params of a run (no optimizer state) straight into NamedShardings, e.g. for SFT stage 2."""
-  from infir2_jax import sharding as sharding_lib
+  from infir2_jax import parallel
   workdir, params = run
-  mesh_cfg = sharding_lib.MeshConfig(data=2, fsdp=2, tensor=2)
-  abstract = jax.eval_shape(
-      lambda: Qwen2(MODEL).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
-  shardings = sharding_lib.param_shardings(abstract, sharding_lib.make_mesh(mesh_cfg),
-                                           sharding_lib.logical_rules(mesh_cfg))
+  mesh_cfg = parallel.MeshConfig(data=2, fsdp=2, tensor=2)
+  abstract = abstract_params(MODEL)
+  shardings = parallel.param_shardings(abstract, parallel.make_mesh(mesh_cfg),
+                                           parallel.logical_rules(mesh_cfg))
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         nn.unbox(abstract), shardings)
-  restored = export.restore_params(workdir, target)
+  restored = restore_params(workdir, target)
   for r, s, p in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings),
                      jax.tree.leaves(params)):
     assert r.sharding == s and r.dtype == jnp.float32

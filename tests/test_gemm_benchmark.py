@@ -8,7 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import gemm as bench  # noqa: E402  (benchmarks/gemm.py)
-from infir2_jax.kernels import gemm  # noqa: E402
+from infir2_jax.precision.kernels import gemm  # noqa: E402
 
 
 def test_variants_override_the_default_of_each_shape_and_kind():

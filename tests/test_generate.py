@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infir2_jax import generate as gen
+from infir2_jax.inference import generate as gen
 from infir2_jax import hf
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "hf_tiny")
@@ -40,29 +40,23 @@ def right_padded(lengths=(5, 9, 3), seed=0):
 def test_incremental_logits_equal_full_forward(path):
   """Prefill 4 tokens (one row left-padded by 2), then feed 6 one at a time."""
   model, params = hf.load_pretrained(path)
-  cfg = model.config
   seq = np.random.RandomState(1).randint(0, 512, (2, 10))
   full = logits_of(model, params, seq)
   full_row1 = logits_of(model, params, seq[1:, 2:])
   prompt = seq[:, :4].copy()
   prompt[1, :2] = 0                       # row 1: 2 pads, then seq[1, 2:4]
   lengths = np.array([4, 2])
-  slots = 10
-  kv = (2, slots, cfg.num_kv_heads, cfg.head_size)
-  cache = {f"layers_{i}": (jnp.zeros(kv), jnp.zeros(kv)) for i in range(cfg.num_layers)}
-  forward = jax.jit(gen.forward_with_cache, static_argnums=0)
-  valid = np.zeros((2, slots), bool)
-  valid[0, :4], valid[1, 2:4] = True, True
+  cache = gen.init_cache(model, 2, 10)
+  step = jax.jit(gen.decode_step, static_argnums=0)
   positions = np.array([[0, 1, 2, 3], [0, 0, 0, 1]])
-  logits, cache = forward(model, params, jnp.asarray(prompt),
-                                         jnp.asarray(positions), cache, 0, jnp.asarray(valid))
+  segments = np.array([[1, 1, 1, 1], [0, 0, 1, 1]])   # pad slots: segment 0
+  logits, cache = step(model, params, cache, jnp.asarray(prompt), jnp.asarray(positions),
+                       jnp.asarray(segments))
   np.testing.assert_allclose(logits[0], full[0, 3], atol=1e-5)
   np.testing.assert_allclose(logits[1], full_row1[0, 1], atol=1e-5)
   for t in range(4, 10):
-    valid[:, t] = True
-    logits, cache = forward(
-        model, params, jnp.asarray(seq[:, t:t + 1]), jnp.asarray(lengths[:, None] + t - 4),
-        cache, t, jnp.asarray(valid))
+    logits, cache = step(model, params, cache, jnp.asarray(seq[:, t:t + 1]),
+                         jnp.asarray(lengths[:, None] + t - 4), jnp.ones((2, 1), jnp.int32))
     np.testing.assert_allclose(logits[0], full[0, t], atol=1e-5)
     np.testing.assert_allclose(logits[1], full_row1[0, t - 2], atol=1e-5)
 

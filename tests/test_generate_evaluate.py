@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infir2_jax import evaluate
-from infir2_jax import generate as generate_lib
+from infir2_jax.inference import evaluate
+from infir2_jax.inference import generate as generate_lib
 from infir2_jax.data import load_tokenizer, special_ids
 from infir2_jax.model import ModelConfig, Qwen2
 

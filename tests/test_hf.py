@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from infir2_jax import hf
-from infir2_jax import sharding as sharding_lib
+from infir2_jax import parallel
 from infir2_jax.model import Qwen2
 
 torch = pytest.importorskip("torch")
@@ -85,14 +85,14 @@ def test_export_config_round_trips():
 
 
 def _shardings(cfg, mesh_cfg):
-  mesh = sharding_lib.make_mesh(mesh_cfg)
+  mesh = parallel.make_mesh(mesh_cfg)
   abstract = jax.eval_shape(
       lambda: Qwen2(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
-  return sharding_lib.param_shardings(abstract, mesh, sharding_lib.logical_rules(mesh_cfg))
+  return parallel.param_shardings(abstract, mesh, parallel.logical_rules(mesh_cfg))
 
 
-@pytest.mark.parametrize("mesh_cfg", [sharding_lib.MeshConfig(data=2, fsdp=2, tensor=2),
-                                      sharding_lib.MeshConfig(data=1, fsdp=4, tensor=2)],
+@pytest.mark.parametrize("mesh_cfg", [parallel.MeshConfig(data=2, fsdp=2, tensor=2),
+                                      parallel.MeshConfig(data=1, fsdp=4, tensor=2)],
                          ids=["d2f2t2", "f4t2"])
 def test_sharded_load_equals_single_host_load(mesh_cfg, monkeypatch):
   assert jax.device_count() == 8
@@ -107,7 +107,7 @@ def test_sharded_load_equals_single_host_load(mesh_cfg, monkeypatch):
     read_sizes[spec.name] = max(read_sizes.get(spec.name, 0), out.size)
     return out
   monkeypatch.setattr(hf, "_read", recording_read)
-  params = hf.load_params_sharded(UNTIED, cfg, shardings)
+  params = hf.load_params(UNTIED, cfg, shardings)
 
   flat_params = flax.traverse_util.flatten_dict(params, sep="/")
   flat_ref = flax.traverse_util.flatten_dict(reference, sep="/")

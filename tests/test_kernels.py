@@ -1,4 +1,4 @@
-"""CPU tests of infir2_jax.kernels: interpret-mode runs, Hopper lowering, references.
+"""CPU tests of infir2_jax.precision.kernels: interpret-mode runs, Hopper lowering, references.
 
 The Mosaic GPU interpreter runs the real kernel bodies on CPU; lowering for an
 abstract H100 catches shared-memory overflow and unsupported primitives (not
@@ -14,9 +14,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from infir2_jax import kernels
-from infir2_jax.kernels import gemm
-from infir2_jax.kernels import quantize
+from infir2_jax.precision import kernels
+from infir2_jax.precision.kernels import gemm
+from infir2_jax.precision.kernels import quantize
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 

@@ -1,4 +1,4 @@
-"""GPU tests of infir2_jax.kernels (Hopper only): compiled kernels vs float64 / XLA references.
+"""GPU tests of infir2_jax.precision.kernels (Hopper only): compiled kernels vs float64 / XLA references.
 
 Run on the device machine: PYTHONPATH=. python3 -m pytest -m gpu tests/test_kernels_gpu.py
 """
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infir2_jax import kernels
-from infir2_jax.kernels import gemm
+from infir2_jax.precision import kernels
+from infir2_jax.precision.kernels import gemm
 from tests import test_kernels as cpu
 
 pytestmark = pytest.mark.gpu

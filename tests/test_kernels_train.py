@@ -27,7 +27,7 @@ def _interpreted_kernels(kernels, calls):
       calls[name] += 1
       return fn(*args, interpret=True, **kwargs)
     return run
-  module = types.ModuleType("infir2_jax.kernels")
+  module = types.ModuleType("infir2_jax.precision.kernels")
   module.available = lambda: True  # as on a Hopper GPU
   module.supports = kernels.supports
   module.block_scaled_matmul = counted("gemm", kernels.block_scaled_matmul)
@@ -38,8 +38,8 @@ def _interpreted_kernels(kernels, calls):
 
 def _train_both(workdir) -> dict:
   """Trains the same tiny model on both backends; returns their losses and the kernel calls."""
-  from infir2_jax import kernels
-  from infir2_jax.trainer import train
+  from infir2_jax.precision import kernels
+  from infir2_jax.train.trainer import train
   from test_trainer import tiny_config, train_losses
   # K = 256 and 384: two and three scale blocks per GEMM, so promotion across blocks runs.
   # remat none: the interpreter's callbacks cannot be rematerialized.
@@ -49,10 +49,10 @@ def _train_both(workdir) -> dict:
                "eval.every_steps": 0, "checkpoint.every_steps": 0, "mesh.data": 1,
                "precision.recipe": "infir2", "log.tensorboard": False}
   calls = collections.Counter()
-  sys.modules["infir2_jax.kernels"] = _interpreted_kernels(kernels, calls)
+  sys.modules["infir2_jax.precision.kernels"] = _interpreted_kernels(kernels, calls)
   train(tiny_config(**overrides, **{"precision.backend": "pallas"}),
         os.path.join(workdir, "pallas"))
-  sys.modules["infir2_jax.kernels"] = kernels
+  sys.modules["infir2_jax.precision.kernels"] = kernels
   train(tiny_config(**overrides, **{"precision.backend": "xla"}), os.path.join(workdir, "xla"))
   return {"calls": dict(calls), "pallas": train_losses(os.path.join(workdir, "pallas")),
           "xla": train_losses(os.path.join(workdir, "xla"))}

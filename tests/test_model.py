@@ -106,7 +106,7 @@ def test_every_projection_uses_the_injected_dot_general(tie):
   cfg = dataclasses.replace(TINY, tie_embeddings=tie)
   seen = []
 
-  def factory(path):
+  def factory(path, axes=None):
     seen.append(path)
     def dot_general(lhs, rhs, dims, precision=None, preferred_element_type=None):
       # A recognisable change: every projection's output doubled.

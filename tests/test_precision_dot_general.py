@@ -206,9 +206,9 @@ def test_backend_selection(monkeypatch):
   with pytest.raises(ValueError, match="backend"):
     make_dot_general("infir2", backend="cuda")
   # Without usable kernels: 'pallas' is a clear error, 'auto' falls back to XLA.
-  fake = types.ModuleType("infir2_jax.kernels")
+  fake = types.ModuleType("infir2_jax.precision.kernels")
   fake.available = lambda: False
-  monkeypatch.setitem(sys.modules, "infir2_jax.kernels", fake)
+  monkeypatch.setitem(sys.modules, "infir2_jax.precision.kernels", fake)
   with pytest.raises(RuntimeError, match="kernels"):
     jax.jit(lambda x, w: make_dot_general("infir2", backend="pallas")(x, w, dn))(x0, w0)
   y_xla = jax.jit(lambda x, w: make_dot_general("infir2", backend="auto")(x, w, dn))(x0, w0)
@@ -270,7 +270,7 @@ def test_native_fp8_gemms_in_gpu_hlo(recipe):
 def test_pallas_backend_matches_xla_on_gpu(recipe):
   # Same quantization bit for bit, so the Pallas GEMMs may differ from XLA's only by the
   # order of the f32 additions.
-  kernels = pytest.importorskip("infir2_jax.kernels")
+  kernels = pytest.importorskip("infir2_jax.precision.kernels")
   if not kernels.available():
     pytest.skip("no Hopper GPU / Mosaic GPU")
   rng = np.random.default_rng(4)

@@ -1,12 +1,12 @@
-"""infir2_jax.profile_summary on a trace in jax.profiler's format (Chrome trace events)."""
+"""infir2_jax.bench.profile on a trace in jax.profiler's format (Chrome trace events)."""
 
 import gzip
 import json
 
 import pytest
 
-from infir2_jax import profile_summary
-from infir2_jax.kernels.gemm import gemm_kernel_name, parse_gemm_kernel_name
+from infir2_jax.bench import profile as profile_summary
+from infir2_jax.precision.kernels.gemm import gemm_kernel_name, parse_gemm_kernel_name
 
 
 def test_gemm_kernel_name_round_trips():

@@ -18,7 +18,7 @@ import pytest
 from jax.extend.core import Jaxpr, Primitive
 from jax.interpreters import mlir
 
-import infir2_jax.kernels as kernels
+import infir2_jax.precision.kernels as kernels
 from infir2_jax.model import ModelConfig, Qwen2
 from infir2_jax.precision import gemm, make_dot_general
 
@@ -134,16 +134,16 @@ def test_remat_with_fake_kernels_gives_the_same_gradients(fake_pallas):
 def test_per_shard_gemms_keep_the_policy(fake_pallas, scan_layers):
   """Under FSDP x tensor the FP8 GEMMs run inside shard_map (sharded_gemm); save_dots must
   still find their named outputs there: no GEMM recomputed."""
-  from infir2_jax import sharding
+  from infir2_jax import parallel
   dot_general = make_dot_general("infir2", backend="pallas")
   cfg = dataclasses.replace(CFG, remat="save_dots", scan_layers=scan_layers, num_kv_heads=2)
   model = Qwen2(cfg, lambda path: dot_general)
   tokens = jnp.zeros((4, 128), jnp.int32)
   params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens)["params"]))
   loss = lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2)
-  mesh_cfg = sharding.MeshConfig(1, 2, 2)
-  mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:4])
-  with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.logical_rules(mesh_cfg, cfg, mesh)):
+  mesh_cfg = parallel.MeshConfig(1, 2, 2)
+  mesh = parallel.make_mesh(mesh_cfg, jax.devices()[:4])
+  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.logical_rules(mesh_cfg, cfg, mesh)):
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params, tokens).jaxpr
   counts = _count_primitives(jaxpr, collections.Counter())
   assert counts["shard_map"] > 0, "the projections did not run per shard"

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from infir2_jax import report, sweep
+from infir2_jax.ablation import report
+from infir2_jax.ablation import sweep
+from infir2_jax.train import rundir
 
 SEEDS = (0, 1, 2)
 STEPS = 40
@@ -77,7 +79,7 @@ def sweep_dir(tmp_path_factory):
 
 
 def test_read_metrics_keeps_the_last_record_of_a_relogged_step(sweep_dir):
-  records = sweep.read_metrics(os.path.join(sweep_dir, "bf16-seed1"))
+  records = rundir.read_metrics(os.path.join(sweep_dir, "bf16-seed1"))
   train = [r for r in records if "loss" in r]
   assert [r["step"] for r in train] == list(range(1, STEPS + 1))
   assert train[20]["loss"] == pytest.approx(_curve(1)[20])  # the 99.0 lines were superseded
@@ -107,7 +109,7 @@ def test_statistics_match_scipy(sweep_dir):
   assert by["infir2"].tost_train.p_value == pytest.approx(p, rel=1e-8)
   assert by["infir2"].tost_train.margin == pytest.approx(margin)
   # verdicts
-  from infir2_jax import stats
+  from infir2_jax.ablation import statistics as stats
   assert stats.verdict(by["infir2"].tost_val) == "equivalent"
   assert stats.verdict(by["fp8_tensorwise"].tost_val) == "not equivalent"
   assert stats.verdict(by["infir2_e5m2_grad"].tost_val) == "inconclusive"

@@ -1,4 +1,4 @@
-"""infir2_jax.stats against scipy.stats: t distribution, t intervals, paired differences, TOST."""
+"""infir2_jax.ablation.statistics against scipy.stats: t distribution, t intervals, paired differences, TOST."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from infir2_jax import stats
+from infir2_jax.ablation import statistics as stats
 
 DFS = [1, 2, 3, 4, 7, 12, 30, 200]
 

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from infir2_jax import sharding
+from infir2_jax import parallel
 from infir2_jax.model import Qwen2
 from infir2_jax.precision import PrecisionConfig, get_recipe, make_dot_general_factory, recipe_names
-from infir2_jax.sharded_gemm import shard_local
+from infir2_jax.precision.per_shard import shard_local
 from test_sharding_equivalence import LENGTH, ROWS, make_batch, tiny_config
 
 
@@ -30,9 +30,9 @@ def _local_gemm_shapes(recipe: str, mesh_shape):
   cfg = tiny_config()
   model = Qwen2(cfg.model, make_dot_general_factory(PrecisionConfig(recipe=recipe,
                                                                     backend="xla")))
-  mesh_cfg = sharding.MeshConfig(*mesh_shape)
-  mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:mesh_shape[0] * mesh_shape[1] * mesh_shape[2]])
-  rules = sharding.logical_rules(mesh_cfg, cfg.model, mesh)
+  mesh_cfg = parallel.MeshConfig(*mesh_shape)
+  mesh = parallel.make_mesh(mesh_cfg, jax.devices()[:mesh_shape[0] * mesh_shape[1] * mesh_shape[2]])
+  rules = parallel.logical_rules(mesh_cfg, cfg.model, mesh)
   batch = make_batch()
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):

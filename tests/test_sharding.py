@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from infir2_jax import sharding
+from infir2_jax import parallel
+from infir2_jax.parallel.mesh import process_slice
 from infir2_jax.config import TrainConfig
-from infir2_jax.model import ModelConfig, Qwen2
-from infir2_jax.optim import OptConfig, make_optimizer
+from infir2_jax.model import ModelConfig, Qwen2, projections
+from infir2_jax.model.axes import compute_axes
+from infir2_jax.config import OptConfig
+from infir2_jax.train.optim import make_optimizer
 from infir2_jax.precision import PrecisionConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,40 +35,40 @@ def model_config(name: str, **overrides) -> ModelConfig:
 
 
 def mesh_and_rules(shape, model_cfg=None, rules=()):
-  cfg = sharding.MeshConfig(*shape, rules=rules)
-  mesh = sharding.make_mesh(cfg, jax.devices()[:int(np.prod([s for s in shape if s > 0]))])
-  return mesh, sharding.logical_rules(cfg, model_cfg, mesh)
+  cfg = parallel.MeshConfig(*shape, rules=rules)
+  mesh = parallel.make_mesh(cfg, jax.devices()[:int(np.prod([s for s in shape if s > 0]))])
+  return mesh, parallel.logical_rules(cfg, model_cfg, mesh)
 
 
 # --- mesh and rules ---------------------------------------------------------------------------
 
 def test_mesh_fills_minus_one_and_rejects_bad_sizes():
-  assert sharding.MeshConfig(data=-1, fsdp=2, tensor=2).shape(8) == (2, 2, 2)
-  assert dict(sharding.make_mesh(sharding.MeshConfig(fsdp=4)).shape) == {
+  assert parallel.MeshConfig(data=-1, fsdp=2, tensor=2).shape(8) == (2, 2, 2)
+  assert dict(parallel.make_mesh(parallel.MeshConfig(fsdp=4)).shape) == {
       "data": 2, "fsdp": 4, "tensor": 1}
   with pytest.raises(ValueError, match="at most one"):
-    sharding.MeshConfig(data=-1, fsdp=-1)
+    parallel.MeshConfig(data=-1, fsdp=-1)
   with pytest.raises(ValueError, match="positive"):
-    sharding.MeshConfig(tensor=0)
+    parallel.MeshConfig(tensor=0)
   with pytest.raises(ValueError, match="cannot fill 8"):
-    sharding.MeshConfig(tensor=3).shape(8)
+    parallel.MeshConfig(tensor=3).shape(8)
   with pytest.raises(ValueError, match="needs 4 devices, but 8"):
-    sharding.MeshConfig(data=2, fsdp=2, tensor=1).shape(8)
+    parallel.MeshConfig(data=2, fsdp=2, tensor=1).shape(8)
   with pytest.raises(ValueError, match="fp8_alignment"):
-    sharding.MeshConfig(fp8_alignment="maybe")
+    parallel.MeshConfig(fp8_alignment="maybe")
 
 
 def test_rule_overrides_from_config():
-  rules = dict(sharding.logical_rules(sharding.MeshConfig(
+  rules = dict(parallel.logical_rules(parallel.MeshConfig(
       rules=("embed=", "batch=data", "vocab=tensor+fsdp"))))
   assert rules["embed"] is None and rules["batch"] == "data"
   assert rules["vocab"] == ("tensor", "fsdp") and rules["heads"] == "tensor"
   with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
-    sharding.MeshConfig(rules=("heads=model",))
+    parallel.MeshConfig(rules=("heads=model",))
   with pytest.raises(ValueError, match="logical=axis"):
-    sharding.MeshConfig(rules=("heads",))
+    parallel.MeshConfig(rules=("heads",))
   with pytest.raises(ValueError, match="unknown logical axis 'embd'.*'embed'"):
-    sharding.MeshConfig(rules=("embd=fsdp",))
+    parallel.MeshConfig(rules=("embd=fsdp",))
 
 
 def test_kv_heads_replicated_when_the_tensor_degree_does_not_divide_them():
@@ -81,9 +84,9 @@ def test_heads_that_do_not_split_are_an_error():
 
 
 def test_compute_axes_gather_fsdp_and_keep_tensor():
-  assert sharding.compute_axes(("embed", "heads")) == ("act_embed", "act_heads")
-  assert sharding.compute_axes(("mlp", "embed")) == ("act_mlp", "act_embed")
-  assert sharding.compute_axes(("vocab", "embed", None)) == ("vocab", "act_embed", None)
+  assert compute_axes(("embed", "heads")) == ("act_embed", "act_heads")
+  assert compute_axes(("mlp", "embed")) == ("act_mlp", "act_embed")
+  assert compute_axes(("vocab", "embed", None)) == ("vocab", "act_embed", None)
 
 
 # --- state ------------------------------------------------------------------------------------
@@ -96,14 +99,14 @@ def init_fn(model_cfg):
 def test_sharded_init_puts_params_and_adam_moments_on_the_mesh():
   mesh, rules = mesh_and_rules((2, 2, 2), TINY)
   tx = make_optimizer(OptConfig(), 10)
-  state, shardings = sharding.sharded_init(init_fn(TINY), tx, mesh, rules, jax.random.key(0))
+  state, shardings = parallel.sharded_init(init_fn(TINY), tx, mesh, rules, jax.random.key(0))
   gate = state["params"]["layers_0"]["mlp"]["gate_proj"]["kernel"]
   assert gate.sharding.spec == P("fsdp", "tensor")
   assert gate.addressable_shards[0].data.shape == (128, 256)  # [256, 512] over fsdp 2, tensor 2
   moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.shape == gate.shape]
   assert len(moments) >= 2 and all(m.sharding == gate.sharding for m in moments)
   assert all(m.dtype == jnp.float32 for m in moments)
-  structs, _ = sharding.abstract_state(init_fn(TINY), tx, mesh, rules)
+  structs, _ = parallel.abstract_state(init_fn(TINY), tx, mesh, rules)
   assert jax.tree.map(lambda s: (s.shape, s.dtype, s.sharding), structs) == jax.tree.map(
       lambda x: (x.shape, x.dtype, x.sharding), state)
 
@@ -112,13 +115,13 @@ def test_uneven_param_split_names_the_param():
   mesh, rules = mesh_and_rules((1, 1, 8), dataclasses.replace(TINY, vocab_size=500, num_heads=8))
   with pytest.raises(ValueError, match=r"embed_tokens/embedding \(500, 256\).*'vocab' of size "
                                        r"500 does not split 8 ways"):
-    sharding.abstract_state(init_fn(dataclasses.replace(TINY, vocab_size=500, num_heads=8)),
+    parallel.abstract_state(init_fn(dataclasses.replace(TINY, vocab_size=500, num_heads=8)),
                             make_optimizer(OptConfig(), 10), mesh, rules)
 
 
 def test_spec_table_pads_specs_to_the_rank():
   mesh, _ = mesh_and_rules((8, 1, 1))
-  table = sharding.spec_table({"a": NamedSharding(mesh, P("data"))},
+  table = parallel.spec_table({"a": NamedSharding(mesh, P("data"))},
                               {"a": jax.ShapeDtypeStruct((8, 3), jnp.float32)})
   assert table == {"a": {"spec": ["data", None], "shape": [8, 3], "dtype": "float32"}}
 
@@ -127,35 +130,42 @@ def test_spec_table_pads_specs_to_the_rank():
 
 def test_batch_sharding_follows_the_rules():
   mesh, rules = mesh_and_rules((2, 2, 2))
-  assert sharding.batch_sharding(mesh, rules).spec == P(("data", "fsdp"), None)
+  assert parallel.batch_sharding(mesh, rules).spec == P(("data", "fsdp"), None)
   _, seq_rules = mesh_and_rules((2, 2, 2), rules=("length=tensor",))
-  assert sharding.batch_sharding(mesh, seq_rules).spec == P(("data", "fsdp"), "tensor")
+  assert parallel.batch_sharding(mesh, seq_rules).spec == P(("data", "fsdp"), "tensor")
 
 
 def test_data_process_index_single_process():
   mesh, rules = mesh_and_rules((2, 2, 2))
-  assert sharding.data_process_index(mesh, rules) == (0, 1)
+  assert parallel.data_process_index(mesh, rules) == (0, 1)
 
 
 def test_process_slice_from_the_shards_each_process_holds():
   halves = {0: {0, 1}, 1: {2, 3}}
-  assert sharding.process_slice(halves, 4, 0) == (0, 2)
-  assert sharding.process_slice(halves, 4, 1) == (1, 2)
+  assert process_slice(halves, 4, 0) == (0, 2)
+  assert process_slice(halves, 4, 1) == (1, 2)
   # Tensor parallelism across processes: both hold every row, both load the same slice.
-  assert sharding.process_slice({0: {0, 1}, 1: {0, 1}}, 2, 1) == (0, 1)
+  assert process_slice({0: {0, 1}, 1: {0, 1}}, 2, 1) == (0, 1)
   with pytest.raises(ValueError, match="not an aligned contiguous block"):
-    sharding.process_slice({0: {0, 2}, 1: {1, 3}}, 4, 0)
+    process_slice({0: {0, 2}, 1: {1, 3}}, 4, 0)
   with pytest.raises(ValueError, match="overlapping"):
-    sharding.process_slice({0: {0, 1}, 1: {1, 2}, 2: {2, 3}}, 4, 0)
+    process_slice({0: {0, 1}, 1: {1, 2}, 2: {2, 3}}, 4, 0)
 
 
 # --- FP8 alignment ----------------------------------------------------------------------------
+
+def check_alignment(model_cfg, mesh, rules, precision, **kwargs):
+  """parallel.check_fp8_alignment for a model config and a recipe name or PrecisionConfig."""
+  if isinstance(precision, str):
+    precision = PrecisionConfig(recipe=precision)
+  return parallel.check_fp8_alignment(projections(model_cfg), mesh, rules, precision, **kwargs)
+
 
 def test_fp8_misaligned_tensor_split_is_an_error_naming_layers_and_sizes():
   cfg = model_config("1p5b")  # MLP 8960 = 70 x 128: tensor 4 gives 2240 per shard
   mesh, rules = mesh_and_rules((2, 1, 4), cfg)
   with pytest.raises(ValueError) as e:
-    sharding.check_fp8_alignment(cfg, mesh, rules, PrecisionConfig(recipe="infir2"))
+    check_alignment(cfg, mesh, rules, PrecisionConfig(recipe="infir2"))
   message = str(e.value)
   assert "layers_*/mlp/down_proj" in message and "layers_*/mlp/gate_proj" in message
   assert "K=8960 (act_mlp)" in message and "shards of 2240, not a multiple of 128" in message
@@ -166,7 +176,7 @@ def test_fp8_alignment_passes_where_shards_align():
   cfg = model_config("1p5b")
   for shape in ((1, 4, 2), (1, 8, 1), (8, 1, 1)):  # FSDP splits are gathered before quantizing
     mesh, rules = mesh_and_rules(shape, cfg)
-    assert sharding.check_fp8_alignment(cfg, mesh, rules, "infir2", batch_rows=8,
+    assert check_alignment(cfg, mesh, rules, "infir2", batch_rows=8,
                                         seq_len=4096) == []
 
 
@@ -175,20 +185,20 @@ def test_fp8_alignment_depends_on_recipe_and_overrides():
   mesh, rules = mesh_and_rules((2, 1, 4), cfg)
   for precision in ("bf16", "fp8_rowwise", "fp8_tensorwise",  # whole-axis scales: a tiny max
                     PrecisionConfig(recipe="infir2", overrides=("mlp/=bf16",))):
-    assert sharding.check_fp8_alignment(cfg, mesh, rules, precision) == []
+    assert check_alignment(cfg, mesh, rules, precision) == []
 
 
 def test_fp8_token_split_checked_when_the_batch_is_known(caplog):
   mesh, rules = mesh_and_rules((8, 1, 1), TINY)
   # 8 rows of 64 tokens over 8 devices: 64 tokens per shard < one 128-token wgrad tile.
   with caplog.at_level(logging.WARNING):
-    problems = sharding.check_fp8_alignment(TINY, mesh, rules, "infir2", batch_rows=8,
+    problems = check_alignment(TINY, mesh, rules, "infir2", batch_rows=8,
                                             seq_len=64, mode="warn")
   assert problems and all("M=512 (tokens: 8 rows x 64)" in p for p in problems)
   assert "shards of 64" in caplog.text
-  assert sharding.check_fp8_alignment(TINY, mesh, rules, "infir2", batch_rows=16,
+  assert check_alignment(TINY, mesh, rules, "infir2", batch_rows=16,
                                       seq_len=64) == []
-  assert sharding.check_fp8_alignment(TINY, mesh, rules, "infir2", batch_rows=8, seq_len=64,
+  assert check_alignment(TINY, mesh, rules, "infir2", batch_rows=8, seq_len=64,
                                       mode="off") == []
 
 

@@ -7,6 +7,7 @@ float32 compute. Gradients come out exactly as the parameter change of one SGD(1
 """
 
 import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -18,11 +19,11 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from infir2_jax import sharding
+from infir2_jax import parallel
 from infir2_jax.config import TrainConfig
-from infir2_jax.model import Qwen2
+from infir2_jax.model import Qwen2, init_params, projections
 from infir2_jax.precision import PrecisionConfig, make_dot_general_factory
-from infir2_jax.train_step import make_train_step
+from infir2_jax.train.step import make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)]
@@ -63,19 +64,20 @@ def run_step(recipe: str, mesh_shape, **model_overrides):
   model = Qwen2(cfg.model, make_dot_general_factory(
       PrecisionConfig(recipe=recipe, backend="xla")))
   tx = optax.sgd(1.0)  # new params = params - grads exactly
-  init = lambda rng: model.init(rng, jnp.zeros((1, 8), jnp.int32))["params"]
-  mesh_cfg = sharding.MeshConfig(*mesh_shape)
-  mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:int(np.prod(mesh_shape))])
-  rules = sharding.logical_rules(mesh_cfg, cfg.model, mesh)
-  sharding.check_fp8_alignment(cfg.model, mesh, rules, recipe, batch_rows=ROWS, seq_len=LENGTH)
-  state, shardings = sharding.sharded_init(init, tx, mesh, rules, jax.random.key(0))
-  batch_sharding = sharding.batch_sharding(mesh, rules)
+  init = functools.partial(init_params, model)
+  mesh_cfg = parallel.MeshConfig(*mesh_shape)
+  mesh = parallel.make_mesh(mesh_cfg, jax.devices()[:int(np.prod(mesh_shape))])
+  rules = parallel.logical_rules(mesh_cfg, cfg.model, mesh)
+  parallel.check_fp8_alignment(projections(cfg.model), mesh, rules, PrecisionConfig(recipe=recipe),
+                               batch_rows=ROWS, seq_len=LENGTH)
+  state, shardings = parallel.sharded_init(init, tx, mesh, rules, jax.random.key(0))
+  batch_sharding = parallel.batch_sharding(mesh, rules)
   batch = jax.tree.map(lambda x: jax.device_put(x, batch_sharding), make_batch())
   params = jax.device_get(state["params"])
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     step = jax.jit(make_train_step(model, tx, lambda _: 1.0),
                    in_shardings=(shardings, batch_sharding),
-                   out_shardings=(shardings, sharding.replicated(mesh)))
+                   out_shardings=(shardings, parallel.replicated(mesh)))
     new_state, metrics = step(state, batch)
   grads = jax.tree.map(lambda a, b: a - b, params, jax.device_get(new_state["params"]))
   return float(metrics["loss"]), params, grads, new_state

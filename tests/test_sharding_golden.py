@@ -5,6 +5,7 @@ Regenerate after an intended change of the rules or the model's logical axes:
 and review the diff. Identical decoder layers are stored once, as "layers_*".
 """
 
+import functools
 import dataclasses
 import importlib.util
 import json
@@ -54,22 +55,23 @@ def merge_layers(table: dict) -> dict:
 
 def state_table(case: str) -> dict:
   """JSON-able {"mesh", "rules", "state": {path: {spec, shape, dtype}}} of a case."""
-  from infir2_jax import sharding
+  from infir2_jax import parallel
   from infir2_jax.precision import PrecisionConfig
-  from infir2_jax.optim import make_optimizer
-  from infir2_jax.trainer import build_model, init_params_fn
+  from infir2_jax.train.optim import make_optimizer
+  from infir2_jax.model import init_params
+  from infir2_jax.train.trainer import build_model
   config_name, sizes = CASES[case]
   # The recipe does not change the state; bf16 traces the 28-layer init much faster.
   cfg = dataclasses.replace(load_config(config_name), precision=PrecisionConfig())
-  mesh_cfg = sharding.MeshConfig(*sizes)
-  mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:8])
-  rules = sharding.logical_rules(mesh_cfg, cfg.model, mesh)
+  mesh_cfg = parallel.MeshConfig(*sizes)
+  mesh = parallel.make_mesh(mesh_cfg, jax.devices()[:8])
+  rules = parallel.logical_rules(mesh_cfg, cfg.model, mesh)
   model = build_model(cfg)
-  structs, shardings = sharding.abstract_state(
-      init_params_fn(model, cfg), make_optimizer(cfg.opt, cfg.steps), mesh, rules)
+  structs, shardings = parallel.abstract_state(
+      functools.partial(init_params, model), make_optimizer(cfg.opt, cfg.steps), mesh, rules)
   return {"config": f"configs/{config_name}.py", "mesh": dict(mesh.shape),
           "rules": [[name, list(a) if isinstance(a, tuple) else a] for name, a in rules],
-          "state": merge_layers(sharding.spec_table(shardings, structs))}
+          "state": merge_layers(parallel.spec_table(shardings, structs))}
 
 
 def golden_path(case: str) -> str:

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from infir2_jax import report, sweep
+from infir2_jax.ablation import report
+from infir2_jax.ablation import sweep
+from infir2_jax.train import rundir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +23,7 @@ with open(os.path.join(run_dir, "calls"), "a") as f:
 calls = len(open(os.path.join(run_dir, "calls")).read().split())
 recipe = ov["precision.recipe"]
 if recipe == "diverge":
-  print("infir2_jax.trainer.NonFiniteLossError: non-finite loss nan at step 2")
+  print("infir2_jax.train.trainer.NonFiniteLossError: non-finite loss nan at step 2")
   sys.exit(1)
 if recipe == "crash" and calls == 1:
   sys.exit(137)
@@ -93,7 +95,7 @@ def test_default_sweep_config_and_commands():
 def test_cli_prints_commands_and_slurm_array(tmp_path):
   def cli(workdir, *args):
     out = subprocess.run(
-        [sys.executable, "-m", "infir2_jax.sweep", "--config=configs/sweeps/default.py:tiny",
+        [sys.executable, "-m", "infir2_jax.ablation.sweep", "--config=configs/sweeps/default.py:tiny",
          f"--workdir={workdir}", "--print_commands", *args],
         cwd=ROOT, capture_output=True, text=True, check=True)
     return out.stdout
@@ -152,7 +154,7 @@ def test_run_without_markers_is_done_when_its_metrics_reach_the_last_step(tmp_pa
   with open(tmp_path / "metrics.jsonl", "a") as f:
     f.write('{"step": 3, "loss": 1.0}\n{"step": 3, "eval_loss": "NaN"}\n{"step": 4, "lo')
   assert sweep.run_status(str(tmp_path)) == "done"  # a line cut short by a kill is ignored
-  final = sweep.final_metrics(str(tmp_path))
+  final = rundir.final_metrics(str(tmp_path))
   assert final["loss"] == 1.0 and final["eval_step"] == 3
   assert final["eval_loss"] != final["eval_loss"]  # "NaN" read back as a float NaN
 

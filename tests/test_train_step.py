@@ -10,8 +10,9 @@ import optax
 import pytest
 
 from infir2_jax.model import ModelConfig, Qwen2
-from infir2_jax.optim import OptConfig, decay_mask, make_optimizer, make_schedule
-from infir2_jax.train_step import loss_sums, make_train_step, split_microbatches
+from infir2_jax.config import OptConfig
+from infir2_jax.train.optim import decay_mask, make_optimizer, make_schedule
+from infir2_jax.train.step import loss_sums, make_train_step, split_microbatches
 
 TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, dtype="float32")

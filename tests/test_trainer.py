@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from infir2_jax import checkpoint as checkpoint_lib
+from infir2_jax.train import checkpoint as checkpoint_lib
 from infir2_jax.config import TrainConfig, check_override_flags, default_config
-from infir2_jax.trainer import NonFiniteLossError, train
+from infir2_jax.train.trainer import NonFiniteLossError, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

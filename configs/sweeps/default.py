@@ -1,9 +1,9 @@
 """The default precision ablation: 5 recipes x 3 seeds of the embedded small model, on a CPU.
 
-  python -m infir2_jax.sweep --config=configs/sweeps/default.py --workdir=runs/default_sweep \
+  python -m infir2_jax.ablation.sweep --config=configs/sweeps/default.py --workdir=runs/default_sweep \
       --parallel=2
-  python -m infir2_jax.report runs/default_sweep
-  python -m infir2_jax.sweep --config=configs/sweeps/default.py:tiny --workdir=/tmp/s  # minutes
+  python -m infir2_jax.ablation.report runs/default_sweep
+  python -m infir2_jax.ablation.sweep --config=configs/sweeps/default.py:tiny --workdir=/tmp/s  # minutes
 
 Sized to finish in <= 30 minutes on a 2-core CPU (measured: see reports/default_sweep/): the
 embedded default model (5M params, 4 layers, width 256; configs/default.py) unchanged, but
@@ -34,7 +34,7 @@ def get_config(variant: str | None = None):
   c.grid = ml_collections.ConfigDict()
   c.grid.precision = dict(recipe=RECIPES)
   c.grid.seed = (0, 1, 2)
-  # infir2_jax.report defaults: equivalence to bf16 within 1% of its loss, TOST at 5%.
+  # infir2_jax.ablation.report defaults: equivalence to bf16 within 1% of its loss, TOST at 5%.
   c.report = dict(reference="bf16", margin=0.01, last_k=10, alpha=0.05)
   if variant == "tiny":  # a smoke test of the whole pipeline: 2 recipes x 2 seeds, 10 steps
     c.overrides.steps = 10

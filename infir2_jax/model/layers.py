@@ -1,34 +1,47 @@
-"""Qwen2 building blocks: Linear (with the injected dot_general), RMSNorm, RoPE, attention, MLP.
+"""Qwen2 building blocks: Linear (its dot_general injected), RMSNorm, RoPE, the SwiGLU MLP.
 
-Shape legend: B batch, L length, D model width, H query heads, K key/value heads, Dh head
-size, F MLP width, V vocabulary.
+Shape legend: B batch, L length, D model width, F MLP width, Dh head size.
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from infir2_jax.sharded_gemm import projection
-from infir2_jax.sharding import compute_axes
+from infir2_jax.model.axes import TOKEN_AXES, compute_axes
+from infir2_jax.precision.per_shard import ProjectionAxes
 
 DotGeneral = Callable[..., jax.Array]
-# Given a projection's module path ("layers_0/self_attn/q_proj", "lm_head"), returns the
-# dot_general to use there. Called inside the projection's compact method, so it may return a
-# linen Module created on the spot (a child of that projection) as well as a plain function.
-DotGeneralFactory = Callable[[str], DotGeneral]
 
 
-def default_dot_general_factory(path: str) -> DotGeneral:
-  del path
+class DotGeneralFactory(Protocol):
+  """The model's one precision hook: the dot_general of the projection at `path`.
+
+  `path` is the projection's module path ("layers_0/self_attn/q_proj", "lm_head") and
+  `axes` the logical axes of its operands (None where the product is not a Dense one, e.g.
+  the tied LM head); the dot_general returned may use them to run per shard. Called inside
+  the projection's compact method, so it may return a linen Module created on the spot (a
+  child of that projection) as well as a plain function.
+  """
+
+  def __call__(self, path: str, axes: ProjectionAxes | None = None) -> DotGeneral: ...
+
+
+def default_dot_general_factory(path: str, axes: ProjectionAxes | None = None) -> DotGeneral:
+  del path, axes
   return lax.dot_general
 
 
-def _path(module: nn.Module) -> str:
+def module_path(module: nn.Module) -> str:
   return "/".join(str(p) for p in module.scope.path)
+
+
+def dense_dimension_numbers(x: jax.Array):
+  """x [..., K] . w [K, N]: the Dense contraction."""
+  return (((x.ndim - 1,), (0,)), ((), ()))
 
 
 class Linear(nn.Module):
@@ -47,11 +60,16 @@ class Linear(nn.Module):
         "kernel",
         nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.kernel_axes),
         (x.shape[-1], self.features), self.param_dtype)
-    dot_general = self.dot_general_factory(_path(self))
     # The compute copy is gathered over fsdp right here (tensor split kept), so GSPMD moves
     # the weight, not the activations.
-    kernel = nn.with_logical_constraint(kernel.astype(self.dtype), compute_axes(self.kernel_axes))
-    y = projection(dot_general, x.astype(self.dtype), kernel, self.kernel_axes)
+    w_axes = compute_axes(self.kernel_axes)
+    kernel = nn.with_logical_constraint(kernel.astype(self.dtype), w_axes)
+    axes = None
+    if x.ndim - 1 <= len(TOKEN_AXES):
+      axes = ProjectionAxes(x=(*TOKEN_AXES[:x.ndim - 1], w_axes[0]), w=w_axes)
+    dot_general = self.dot_general_factory(module_path(self), axes)
+    y = dot_general(x.astype(self.dtype), kernel, dense_dimension_numbers(x), precision=None,
+                    preferred_element_type=None)
     if self.use_bias:
       bias = self.param(
           "bias", nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[1:]),
@@ -92,81 +110,6 @@ def apply_rope(x_BxLxNxDh: jax.Array, cos_BxLxDh: jax.Array, sin_BxLxDh: jax.Arr
   return out.astype(x_BxLxNxDh.dtype)
 
 
-def segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
-  """[B, 1, L, L] boolean: query and key in the same packed segment (causality is separate).
-
-  Passed with `is_causal=True`, so cuDNN's flash attention skips the blocks above the
-  diagonal (half the work) and applies only this mask inside the causal triangle.
-  """
-  same_segment_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-  return same_segment_BxLxL[:, None]
-
-
-def shard_for_cudnn(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL):
-  """Shardings cuDNN attention's SPMD partitioner accepts: q, k and v alike, mask by batch.
-
-  Its partitioner requires identical PartitionSpecs for q, k and v (split on batch and heads
-  only) and the mask split on batch only; left to propagation, K and V come out sharded
-  otherwise and the compile fails ("Query, key and value should have same sharding"). Where
-  the KV heads are replicated but the query heads split (tensor degree > KV heads), K and V
-  are repeated to one head per query head first, as Megatron does. No-op without a mesh.
-  """
-  if nn.logical_to_mesh_axes(("act_heads",)) != nn.logical_to_mesh_axes(("act_kv_heads",)):
-    groups = q_BxLxHxDh.shape[2] // k_BxLxKxDh.shape[2]
-    k_BxLxKxDh = jnp.repeat(k_BxLxKxDh, groups, axis=2)
-    v_BxLxKxDh = jnp.repeat(v_BxLxKxDh, groups, axis=2)
-  qkv = tuple(nn.with_logical_constraint(t, ("batch", "length", "act_heads", None))
-              for t in (q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh))
-  if mask_Bx1xLxL is not None:
-    mask_Bx1xLxL = nn.with_logical_constraint(mask_Bx1xLxL, ("batch", None, None, None))
-  return (*qkv, mask_Bx1xLxL)
-
-
-class Attention(nn.Module):
-  """Grouped-query self-attention with q/k/v biases; softmax in float32."""
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  rope_theta: float
-  qkv_bias: bool = True
-  implementation: str | None = None   # None (XLA) or "cudnn"
-  dtype: Any = jnp.bfloat16
-  param_dtype: Any = jnp.float32
-  init_std: float = 0.02
-  dot_general_factory: DotGeneralFactory = default_dot_general_factory
-  document_mask: bool = True          # attend within the packed segment only (else causal)
-
-  @nn.compact
-  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
-    batch, length, width = x_BxLxD.shape
-    dense = lambda features, axes, bias, name: Linear(
-        features, axes, bias, self.dtype, self.param_dtype, self.init_std,
-        self.dot_general_factory, name=name)
-    q = dense(self.num_heads * self.head_dim, ("embed", "heads"), self.qkv_bias, "q_proj")(x_BxLxD)
-    k = dense(self.num_kv_heads * self.head_dim, ("embed", "kv_heads"), self.qkv_bias,
-              "k_proj")(x_BxLxD)
-    v = dense(self.num_kv_heads * self.head_dim, ("embed", "kv_heads"), self.qkv_bias,
-              "v_proj")(x_BxLxD)
-    q_BxLxHxDh = q.reshape(batch, length, self.num_heads, self.head_dim)
-    k_BxLxKxDh = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
-    v_BxLxKxDh = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
-    q_BxLxHxDh = nn.with_logical_constraint(q_BxLxHxDh, ("batch", "length", "act_heads", None))
-
-    cos, sin = rope_cos_sin(positions_BxL, self.head_dim, self.rope_theta)
-    q_BxLxHxDh = apply_rope(q_BxLxHxDh, cos, sin)
-    k_BxLxKxDh = apply_rope(k_BxLxKxDh, cos, sin)
-
-    mask_Bx1xLxL = segment_mask(segment_ids_BxL) if self.document_mask else None
-    if self.implementation == "cudnn":
-      q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL = shard_for_cudnn(
-          q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL)
-    out_BxLxHxDh = jax.nn.dot_product_attention(
-        q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=mask_Bx1xLxL, is_causal=True,
-        implementation=self.implementation)
-    out_BxLxHDh = out_BxLxHxDh.reshape(batch, length, self.num_heads * self.head_dim)
-    return dense(width, ("heads", "embed"), False, "o_proj")(out_BxLxHDh)
-
-
 class MLP(nn.Module):
   """SwiGLU: down(silu(gate(x)) * up(x))."""
   intermediate_size: int
@@ -177,9 +120,10 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD):
-    dense = lambda features, axes, name: Linear(
-        features, axes, False, self.dtype, self.param_dtype, self.init_std,
-        self.dot_general_factory, name=name)
+    def dense(features, axes, name):
+      return Linear(features, axes, dtype=self.dtype, param_dtype=self.param_dtype,
+                    init_std=self.init_std, dot_general_factory=self.dot_general_factory,
+                    name=name)
     gate_BxLxF = dense(self.intermediate_size, ("embed", "mlp"), "gate_proj")(x_BxLxD)
     up_BxLxF = dense(self.intermediate_size, ("embed", "mlp"), "up_proj")(x_BxLxD)
     h_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF

@@ -1,51 +1,15 @@
 """The Qwen2/Qwen2.5 decoder-only language model (Flax linen)."""
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from infir2_jax.model.attention import Attention
+from infir2_jax.model.axes import compute_axes
 from infir2_jax.model.config import ModelConfig
-from infir2_jax.precision.dot_general import FP8_GEMM_OUT, FP8_RESIDUALS
-from infir2_jax.precision.gemm import target_platform
-from infir2_jax.sharding import compute_axes
 from infir2_jax.model.layers import (
-    MLP, Attention, DotGeneralFactory, Linear, RMSNorm, default_dot_general_factory)
-
-_cp = jax.checkpoint_policies
-# The primitive of cuDNN's fused attention forward (jax.nn.dot_product_attention with
-# implementation="cudnn"): its outputs are the attention output and the softmax statistics
-# that cuDNN's backward kernel takes.
-CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
-
-
-def cudnn_attention_saveable(prim, *_, **__) -> bool:
-  """Remat policy: keep cuDNN attention's forward outputs (a custom call, no dot_general).
-
-  Without it every save-dots policy runs the attention forward twice per step, once more in
-  the backward pass to rebuild the softmax statistics (counted in the compiled HLO by
-  tests/test_remat_attention.py). Costs B x L x H x Dh in the compute dtype per layer."""
-  return prim.name == CUDNN_ATTENTION_FWD
-
-
-def _save_any(*policies):
-  """Logical OR of remat policies (JAX's save_from_both_policies, for any number)."""
-  return functools.reduce(_cp.save_from_both_policies, policies)
-
-
-_REMAT_POLICIES = {
-    "full": None,  # save nothing: recompute the whole layer in the backward pass
-    # matmul outputs, XLA's and our FP8 GEMMs' (a Pallas call is no dot_general), and
-    # cuDNN attention's output and softmax statistics
-    "save_dots": _save_any(
-        _cp.dots_with_no_batch_dims_saveable, _cp.save_only_these_names(FP8_GEMM_OUT),
-        cudnn_attention_saveable),
-    # ... and the FP8 operands of the backward GEMMs (no re-quantization, more memory)
-    "save_dots_fp8": _save_any(
-        _cp.dots_with_no_batch_dims_saveable,
-        _cp.save_only_these_names(FP8_GEMM_OUT, FP8_RESIDUALS), cudnn_attention_saveable),
-}
+    MLP, DotGeneralFactory, Linear, RMSNorm, default_dot_general_factory)
+from infir2_jax.model.remat import POLICIES
 
 
 class DecoderLayer(nn.Module):
@@ -54,18 +18,13 @@ class DecoderLayer(nn.Module):
   dot_general_factory: DotGeneralFactory = default_dot_general_factory
 
   @nn.compact
-  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL):
+  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, decode: bool = False):
     cfg = self.config
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name=name)
-    implementation = {"xla": None, "cudnn": "cudnn", "auto": None}[cfg.attention]
-    if cfg.attention == "auto" and target_platform() == "gpu":
-      implementation = "cudnn"
-    attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.rope_theta,
-                     cfg.qkv_bias, implementation, dtype, param_dtype, cfg.init_std,
-                     self.dot_general_factory, cfg.attention_mask == "document",
-                     name="self_attn")
-    h = x_BxLxD + attn(norm("input_layernorm")(x_BxLxD), positions_BxL, segment_ids_BxL)
+    attn = Attention(cfg, self.dot_general_factory, name="self_attn")
+    h = x_BxLxD + attn(norm("input_layernorm")(x_BxLxD), positions_BxL, segment_ids_BxL,
+                       decode)
     mlp = MLP(cfg.intermediate_size, dtype, param_dtype, cfg.init_std,
               self.dot_general_factory, name="mlp")
     out = h + mlp(norm("post_attention_layernorm")(h))
@@ -83,13 +42,17 @@ class Qwen2(nn.Module):
 
   Every projection (q, k, v, o, gate, up, down, lm_head) gets its dot_general from
   `dot_general_factory`, the single point where a precision recipe plugs in.
+
+  Decoding: `apply(..., decode=True, mutable=["cache"])` appends the tokens to each layer's
+  KV cache (model.attention); the cache is sized by `init(..., decode=True)` on a batch of
+  the full length (inference/generate.py does both).
   """
   config: ModelConfig
   dot_general_factory: DotGeneralFactory = default_dot_general_factory
 
   @nn.compact
   def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
-               return_hidden: bool = False):
+               return_hidden: bool = False, decode: bool = False):
     cfg = self.config
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     if positions_BxL is None:
@@ -106,15 +69,16 @@ class Qwen2(nn.Module):
     x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
     x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "act_embed"))
 
-    if cfg.scan_layers and not self.is_initializing():
+    if cfg.scan_layers and not (self.is_initializing() or decode):
       x_BxLxD = self._scanned_layers(x_BxLxD, positions_BxL, segment_ids_BxL)
     else:
       layer_cls = DecoderLayer
-      if cfg.remat != "none":
-        layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=True)
+      if cfg.remat != "none" and not decode:
+        layer_cls = nn.remat(DecoderLayer, policy=POLICIES[cfg.remat], prevent_cse=True,
+                             static_argnums=(4,))
       for i in range(cfg.num_layers):
         x_BxLxD = layer_cls(cfg, self.dot_general_factory, name=f"layers_{i}")(
-            x_BxLxD, positions_BxL, segment_ids_BxL)
+            x_BxLxD, positions_BxL, segment_ids_BxL, decode)
     x_BxLxD = RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name="norm")(x_BxLxD)
     if return_hidden:
       return x_BxLxD
@@ -122,13 +86,13 @@ class Qwen2(nn.Module):
     if cfg.tie_embeddings:
       return tied_head(self.dot_general_factory("lm_head"), x_BxLxD.astype(dtype), table_VxD)
     head = Linear(cfg.vocab_size, ("embed", "vocab"), False, dtype, param_dtype,
-                  cfg.init_std, self._f32_factory(), name="lm_head")
+                  cfg.init_std, _f32_factory(self.dot_general_factory), name="lm_head")
     return head(x_BxLxD)
 
   def head_logits(self, params, hidden_BxLxD):
     """The LM head alone, from `params` (a pure function, outside apply): float32 logits of
     the final hidden states that `__call__(..., return_hidden=True)` returns. The chunked
-    loss calls it per chunk; the same computation as the end of `__call__`."""
+    loss and decoding call it; the same computation as the end of `__call__`."""
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     x_BxLxD = hidden_BxLxD.astype(dtype)
@@ -138,8 +102,8 @@ class Qwen2(nn.Module):
       return tied_head(self.dot_general_factory("lm_head"), x_BxLxD, table_VxD)
     kernel_DxV = nn.with_logical_constraint(params["lm_head"]["kernel"].astype(dtype),
                                             compute_axes(("embed", "vocab")))
-    return self._f32_factory()("lm_head")(x_BxLxD, kernel_DxV,
-                                          (((x_BxLxD.ndim - 1,), (0,)), ((), ())))
+    return _f32_factory(self.dot_general_factory)("lm_head")(
+        x_BxLxD, kernel_DxV, (((x_BxLxD.ndim - 1,), (0,)), ((), ())))
 
   def _scanned_layers(self, x_BxLxD, positions_BxL, segment_ids_BxL):
     """The layers as one lax.scan over their params, stacked on a leading axis per step."""
@@ -154,40 +118,38 @@ class Qwen2(nn.Module):
     dtype = jnp.dtype(cfg.dtype)
     stacked = jax.tree.map(lambda *xs: jnp.stack([x.astype(dtype) for x in xs]),
                            *(params[n] for n in names))
-    layer = DecoderLayer(cfg, self._uniform_factory(names), parent=None)
+    layer = DecoderLayer(cfg, _uniform_factory(self.dot_general_factory, names), parent=None)
 
     def body(x, layer_params):
       return layer.apply({"params": layer_params}, x, positions_BxL, segment_ids_BxL), None
 
     if cfg.remat != "none":
-      body = jax.checkpoint(body, policy=_REMAT_POLICIES[cfg.remat])
+      body = jax.checkpoint(body, policy=POLICIES[cfg.remat])
     x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked)
     return x_BxLxD
 
-  def _uniform_factory(self, layer_names):
-    """A factory for the scanned layer: every layer's projection must get the same one."""
-    factory = self.dot_general_factory
 
-    def make(path):
-      made = [factory(f"{name}/{path}") for name in layer_names]
-      if any(m is not made[0] for m in made[1:]):
-        raise ValueError(
-            f"model.scan_layers=True runs one layer body for all layers, but the precision "
-            f"differs between layers at '{path}' (per-layer precision.overrides or "
-            "telemetry); set model.scan_layers=False")
-      return made[0]
-    return make
+def _uniform_factory(factory: DotGeneralFactory, layer_names) -> DotGeneralFactory:
+  """A factory for the scanned layer: every layer's projection must get the same one."""
+  def make(path, axes=None):
+    made = [factory(f"{name}/{path}", axes) for name in layer_names]
+    if any(m is not made[0] for m in made[1:]):
+      raise ValueError(
+          f"model.scan_layers=True runs one layer body for all layers, but the precision "
+          f"differs between layers at '{path}' (per-layer precision.overrides or "
+          "telemetry); set model.scan_layers=False")
+    return made[0]
+  return make
 
-  def _f32_factory(self):
-    """Wraps the factory so the untied LM head also returns float32 logits."""
-    factory = self.dot_general_factory
 
-    def make(path):
-      dot_general = factory(path)
-      def f32_dot_general(lhs, rhs, dimension_numbers, precision=None,
-                          preferred_element_type=None):
-        del preferred_element_type
-        return dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                           preferred_element_type=jnp.float32)
-      return f32_dot_general
-    return make
+def _f32_factory(factory: DotGeneralFactory) -> DotGeneralFactory:
+  """Wraps the factory so the untied LM head also returns float32 logits."""
+  def make(path, axes=None):
+    dot_general = factory(path, axes)
+    def f32_dot_general(lhs, rhs, dimension_numbers, precision=None,
+                        preferred_element_type=None):
+      del preferred_element_type
+      return dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                         preferred_element_type=jnp.float32)
+    return f32_dot_general
+  return make

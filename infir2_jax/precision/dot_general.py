@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from infir2_jax.precision import gemm, stats
+from infir2_jax.precision import gemm, quant_error
 from infir2_jax.precision.gemm import bf16_dot_general
 from infir2_jax.precision.quantize import QTensor, quantize_tensor, resolve_tile
 from infir2_jax.precision.recipes import OperandSpec, Recipe, get_recipe
@@ -40,8 +40,8 @@ from infir2_jax.precision.recipes import OperandSpec, Recipe, get_recipe
 # are saved only by "save_dots_fp8", else recomputed by re-quantizing the recomputed X.
 FP8_GEMM_OUT = "fp8_gemm_out"
 FP8_RESIDUALS = "fp8_residuals"
-SINK_SHAPE = (2, 2, len(stats.STAT_NAMES))   # (dgrad, wgrad) x (lhs, rhs) x stats
-FPROP_STATS_SHAPE = (2, len(stats.STAT_NAMES))  # (x, w) x stats
+SINK_SHAPE = (2, 2, len(quant_error.STAT_NAMES))   # (dgrad, wgrad) x (lhs, rhs) x stats
+FPROP_STATS_SHAPE = (2, len(quant_error.STAT_NAMES))  # (x, w) x stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,16 +75,15 @@ def _transposed_operand(prev, raw: jax.Array, spec: OperandSpec, compute_dtype):
   return quantize_operand(raw.T, spec)
 
 
-def _fused_kernels(plan: _Plan, x, *specs: OperandSpec, fn: str, tile):
-  """The kernels module when its fused `fn` quantizer applies to x and all quantized specs."""
+def _fused_kernels(plan: _Plan, x, *specs: OperandSpec, tile):
+  """The kernels module when its fused quantizer for `tile` applies to x and all specs."""
   quantized = [sp for sp in specs if sp.quantized]
   if (x.dtype != jnp.bfloat16 or x.ndim != 2 or not specs[0].quantized
       or any(sp.tile != tile or (sp.fmt, sp.scale_format) != (specs[0].fmt,
                                                              specs[0].scale_format)
              for sp in quantized)):
     return None
-  kernels = gemm.pallas_kernels(plan.backend)
-  return kernels if kernels is not None and hasattr(kernels, fn) else None
+  return gemm.pallas_kernels(plan.backend)
 
 
 def _quantize_rows(plan: _Plan, x_MxK, spec: OperandSpec, spec_t: "OperandSpec | None"):
@@ -93,7 +92,7 @@ def _quantize_rows(plan: _Plan, x_MxK, spec: OperandSpec, spec_t: "OperandSpec |
   On Hopper both come from one read of x (kernels.quantize_tiles, with_transpose).
   """
   specs = (spec,) if spec_t is None else (spec, spec_t)
-  kernels = _fused_kernels(plan, x_MxK, *specs, fn="quantize_tiles", tile=(1, 128))
+  kernels = _fused_kernels(plan, x_MxK, *specs, tile=(1, 128))
   if kernels is None:
     xq = quantize_operand(x_MxK, spec, plan.compute_dtype)
     xt = None if spec_t is None else _transposed_operand(xq, x_MxK, spec_t, plan.compute_dtype)
@@ -112,7 +111,7 @@ def _quantize_rows(plan: _Plan, x_MxK, spec: OperandSpec, spec_t: "OperandSpec |
 
 def _quantize_weight(plan: _Plan, w_NxK, spec: OperandSpec):
   """W^T per spec; 128x128 blocks by kernels.quantize_blocks on Hopper."""
-  kernels = _fused_kernels(plan, w_NxK, spec, fn="quantize_blocks", tile=(128, 128))
+  kernels = _fused_kernels(plan, w_NxK, spec, tile=(128, 128))
   if kernels is None:
     return quantize_operand(w_NxK, spec, plan.compute_dtype)
   q, scale = kernels.quantize_blocks(w_NxK, fmt=spec.fmt, scale_format=spec.scale_format)
@@ -135,7 +134,7 @@ def _fprop(plan: _Plan, x_MxK, w_NxK, xt_spec=None):
   fstats = None
   if plan.telemetry:
     with jax.named_scope("fp8_telemetry"):
-      fstats = jnp.stack([stats.operand_stats(x_MxK, xq), stats.operand_stats(w_NxK, wq)])
+      fstats = jnp.stack([quant_error.operand_stats(x_MxK, xq), quant_error.operand_stats(w_NxK, wq)])
   return y_MxN, xq, xt, wq, fstats
 
 
@@ -155,8 +154,8 @@ def _fp8_matmul_fwd(plan: _Plan, x_MxK, w_NxK, sink):
   bstats = None
   if plan.has_sink:
     with jax.named_scope("fp8_telemetry"):
-      bstats = jnp.stack([stats.operand_stats(w_NxK.T, w_KxN),
-                          stats.operand_stats(x_MxK.T, xt_KxM)])
+      bstats = jnp.stack([quant_error.operand_stats(w_NxK.T, w_KxN),
+                          quant_error.operand_stats(x_MxK.T, xt_KxM)])
   out = (y_MxN, fstats) if plan.telemetry else y_MxN
   xt_KxM, w_KxN = checkpoint_name((xt_KxM, w_KxN), FP8_RESIDUALS)
   return out, (xt_KxM, w_KxN, bstats)
@@ -176,8 +175,8 @@ def _fp8_matmul_bwd(plan: _Plan, res, g):
   sink_ct = None
   if plan.has_sink:
     with jax.named_scope("fp8_telemetry"):
-      dgrad = jnp.stack([stats.operand_stats(dy_MxN, dyq), bstats[0]])
-      wgrad = jnp.stack([bstats[1], stats.operand_stats(dy_MxN.T, dyt_NxM)])
+      dgrad = jnp.stack([quant_error.operand_stats(dy_MxN, dyq), bstats[0]])
+      wgrad = jnp.stack([bstats[1], quant_error.operand_stats(dy_MxN.T, dyt_NxM)])
       sink_ct = jnp.stack([dgrad, wgrad])
   return dx_MxK.astype(plan.x_dtype), dw_NxK.astype(plan.w_dtype), sink_ct
 

@@ -1,9 +1,9 @@
 """The canonical NT GEMM out[M, N] = a[M, K] . b[N, K]^T on quantized operands, and its backends.
 
 Execution paths, chosen per call from the operands' tiles and `backend`:
-1. Pallas (`infir2_jax.kernels.block_scaled_matmul`): a in 1x128 tiles and b in 128x128 blocks
-   or 1x128 tiles, when backend is "pallas", or "auto" and `kernels.available()` (a Hopper GPU)
-   and `kernels.supports(m, n, k, a_dtype, b_dtype, b_scale_shape, out_dtype)`.
+1. Pallas (`precision.kernels.block_scaled_matmul`): a in 1x128 tiles and b in 128x128
+   blocks or 1x128 tiles, when backend is "pallas", or "auto" and `kernels.available()` (a
+   Hopper GPU) and `kernels.supports(m, n, k, a_dtype, b_dtype, b_scale_shape, out_dtype)`.
 2. Native FP8 (XLA): both operands with ONE scale along K (per tensor or per row): the fp8
    arrays go straight into lax.dot_general (f32 result), then the scales multiply the output.
    On GPU this is cuBLASLt's FP8 GEMM (`__cublas$lt$matmul$f8`); b stays [N, K] (K-major),
@@ -20,8 +20,6 @@ Unquantized operands (OperandSpec.fmt None) enter path 3 as they are.
 """
 
 import functools
-import importlib
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -41,30 +39,17 @@ def check_backend(backend: str) -> str:
 
 
 def pallas_kernels(backend: str):
-  """The infir2_jax.kernels module when `backend` allows it and it is usable, else None.
-
-  "auto" falls back to XLA (with a warning if the module is broken); "pallas" raises.
-  """
+  """The Pallas kernels module when `backend` allows it and a Hopper GPU runs them, else None
+  ("auto" falls back to XLA; "pallas" raises)."""
   if check_backend(backend) == "xla":
     return None
-  try:
-    kernels = importlib.import_module("infir2_jax.kernels")
-    available = bool(kernels.available())
-  except Exception as e:  # a missing or broken kernels package must not stop "auto"
-    if backend == "pallas":
-      raise RuntimeError(
-          "precision.backend='pallas' but infir2_jax.kernels is missing or broken "
-          f"(needs available(), supports(), block_scaled_matmul()): {e!r}; "
-          "use backend='auto' or 'xla'") from e
-    if not isinstance(e, ImportError):
-      warnings.warn(f"infir2_jax.kernels unusable, using XLA: {e!r}", stacklevel=2)
-    return None
-  if not available:
-    if backend == "pallas":
-      raise RuntimeError("precision.backend='pallas' but infir2_jax.kernels.available() is "
-                         "False (needs a Hopper GPU with Mosaic GPU); use 'auto' or 'xla'")
-    return None
-  return kernels
+  from infir2_jax.precision import kernels  # pylint: disable=g-import-not-at-top
+  if kernels.available():
+    return kernels
+  if backend == "pallas":
+    raise RuntimeError("precision.backend='pallas' but the Pallas kernels need a Hopper GPU "
+                       "with Mosaic GPU (kernels.available() is False); use 'auto' or 'xla'")
+  return None
 
 
 def bf16_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):

@@ -1,6 +1,6 @@
 """Tile-wise FP8 quantization with current (just-in-time) scaling, and its inverse.
 
-Semantics (the project's FP8 contract; infir2_jax.kernels matches it bit for bit):
+Semantics (the project's FP8 contract; infir2_jax.precision.kernels matches it bit for bit):
 for every tile over the last two dims of x (leading dims are independent),
   x     = f32(x), with float32 subnormals (|x| < 2**-126) flushed to a signed zero
   amax  = max |x| over the tile

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infir2_jax.precision import stats
+from infir2_jax.precision import quant_error
 from infir2_jax.precision.dot_general import FPROP_STATS_SHAPE, SINK_SHAPE, quantized_dot_general
 from infir2_jax.precision.recipes import Recipe
 
@@ -139,7 +139,7 @@ def summarize(fprop_stats, sink_grads=None, *, prefix: str = "fp8",
       continue
     for path, role, v in _entries(tree, shape, roles):
       for o, operand in enumerate(ROLES[role]):
-        for s, stat in enumerate(stats.STAT_NAMES):
+        for s, stat in enumerate(quant_error.STAT_NAMES):
           out[f"{prefix}/{path}/{role}/{operand}/{stat}"] = float(v[o, s])
         worst_acc.setdefault((role, operand), []).append(v[o])
   if worst:

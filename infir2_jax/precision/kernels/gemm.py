@@ -25,16 +25,16 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from infir2_jax.kernels.tuning import BLOCK
-from infir2_jax.kernels.tuning import HOPPER_SMS
-from infir2_jax.kernels.tuning import DEFAULT_CONFIG  # noqa: F401 (re-exported)
-from infir2_jax.kernels.tuning import TuningConfig
-from infir2_jax.kernels.tuning import check_epi_buffers
-from infir2_jax.kernels.tuning import choose_split_k
-from infir2_jax.kernels.tuning import default_config
-from infir2_jax.kernels.tuning import fit_stages
-from infir2_jax.kernels.tuning import resolve_cross_tile
-from infir2_jax.kernels.tuning import split_k_blocks
+from infir2_jax.precision.kernels.tuning import BLOCK
+from infir2_jax.precision.kernels.tuning import HOPPER_SMS
+from infir2_jax.precision.kernels.tuning import DEFAULT_CONFIG  # noqa: F401 (re-exported)
+from infir2_jax.precision.kernels.tuning import TuningConfig
+from infir2_jax.precision.kernels.tuning import check_epi_buffers
+from infir2_jax.precision.kernels.tuning import choose_split_k
+from infir2_jax.precision.kernels.tuning import default_config
+from infir2_jax.precision.kernels.tuning import fit_stages
+from infir2_jax.precision.kernels.tuning import resolve_cross_tile
+from infir2_jax.precision.kernels.tuning import split_k_blocks
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 OUT_DTYPES = (jnp.bfloat16, jnp.float32)

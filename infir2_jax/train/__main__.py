@@ -11,10 +11,10 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from infir2_jax import runtime  # defines --coordinator_address, --num_processes, ...
+from infir2_jax.parallel import distributed  # defines --coordinator_address, --num_processes
 
-_DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               "configs", "default.py")
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_DEFAULT_CONFIG = os.path.join(_REPO, "configs", "default.py")
 
 
 def _define_flags():
@@ -46,9 +46,9 @@ def run() -> None:
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     _quiet_library_logs()
-    runtime.initialize()
+    distributed.initialize()
     from infir2_jax.config import TrainConfig
-    from infir2_jax.trainer import train
+    from infir2_jax.train.trainer import train
     train(TrainConfig.from_config_dict(config_flag.value), workdir_flag.value)
 
   app.run(main)

@@ -17,22 +17,22 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from infir2_jax.kernels.gemm import BLOCK
-from infir2_jax.kernels.gemm import DEFAULT_CONFIG
-from infir2_jax.kernels.gemm import FP8_DTYPES
-from infir2_jax.kernels.gemm import OUT_DTYPES
-from infir2_jax.kernels.gemm import TuningConfig
-from infir2_jax.kernels.gemm import default_config
-from infir2_jax.kernels.gemm import block_scaled_matmul
-from infir2_jax.kernels.gemm import block_scaled_matmul_reference
-from infir2_jax.kernels.gemm import KernelScales
-from infir2_jax.kernels.gemm import kernel_scales
-from infir2_jax.kernels.gemm import matmul_kernel_scales
-from infir2_jax.kernels.quantize import quantize_blocks
-from infir2_jax.kernels.quantize import quantize_blocks_reference
-from infir2_jax.kernels.quantize import quantize_tiles
-from infir2_jax.kernels.quantize import quantize_tiles_reference
-from infir2_jax.kernels.quantize import scale_from_amax
+from infir2_jax.precision.kernels.gemm import BLOCK
+from infir2_jax.precision.kernels.gemm import DEFAULT_CONFIG
+from infir2_jax.precision.kernels.gemm import FP8_DTYPES
+from infir2_jax.precision.kernels.gemm import OUT_DTYPES
+from infir2_jax.precision.kernels.gemm import TuningConfig
+from infir2_jax.precision.kernels.gemm import default_config
+from infir2_jax.precision.kernels.gemm import block_scaled_matmul
+from infir2_jax.precision.kernels.gemm import block_scaled_matmul_reference
+from infir2_jax.precision.kernels.gemm import KernelScales
+from infir2_jax.precision.kernels.gemm import kernel_scales
+from infir2_jax.precision.kernels.gemm import matmul_kernel_scales
+from infir2_jax.precision.kernels.quantize import quantize_blocks
+from infir2_jax.precision.kernels.quantize import quantize_blocks_reference
+from infir2_jax.precision.kernels.quantize import quantize_tiles
+from infir2_jax.precision.kernels.quantize import quantize_tiles_reference
+from infir2_jax.precision.kernels.quantize import scale_from_amax
 
 __all__ = [
     "available", "supports", "TuningConfig", "DEFAULT_CONFIG", "default_config",

@@ -1,5 +1,6 @@
 """Benchmark helpers: device timing, batches and an ahead-of-time compiled train step, and
 the metadata a results file records."""
+import functools
 import dataclasses
 import os
 import statistics
@@ -95,18 +96,19 @@ class CompiledStep:
 def compile_train_step(cfg, devices=None) -> CompiledStep:
   """cfg's train step, lowered and compiled from abstract shapes (no device memory used)."""
   import flax.linen as nn
-  from infir2_jax import sharding
-  from infir2_jax.optim import make_optimizer, make_schedule
-  from infir2_jax.train_step import make_train_step
-  from infir2_jax.trainer import build_model, init_params_fn
+  from infir2_jax import parallel
+  from infir2_jax.train.optim import make_optimizer, make_schedule
+  from infir2_jax.train.step import make_train_step
+  from infir2_jax.model import init_params
+  from infir2_jax.train.trainer import build_model
 
-  mesh = sharding.make_mesh(cfg.mesh, devices)
-  rules = sharding.logical_rules(cfg.mesh, cfg.model, mesh)
+  mesh = parallel.make_mesh(cfg.mesh, devices)
+  rules = parallel.logical_rules(cfg.mesh, cfg.model, mesh)
   model = build_model(cfg)
   optimizer = make_optimizer(cfg.opt, cfg.steps)
-  init_fn = init_params_fn(model, cfg)
-  structs, _ = sharding.abstract_state(init_fn, optimizer, mesh, rules)
-  batch_sharding = sharding.batch_sharding(mesh, rules)
+  init_fn = functools.partial(init_params, model)
+  structs, _ = parallel.abstract_state(init_fn, optimizer, mesh, rules)
+  batch_sharding = parallel.batch_sharding(mesh, rules)
   batch = abstract_batch(cfg.batch_size, cfg.seq_len, batch_sharding)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     step = jax.jit(make_train_step(model, optimizer, make_schedule(cfg.opt, cfg.steps),

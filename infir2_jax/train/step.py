@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from infir2_jax.loss import chunked_cross_entropy_sums, cross_entropy_sums
+from infir2_jax.train.loss import chunked_cross_entropy_sums, cross_entropy_sums
 from infir2_jax.precision import telemetry
 
 Batch = dict[str, jax.Array]   # inputs, targets, segment_ids, positions, loss_mask: [B, L]

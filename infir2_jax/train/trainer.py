@@ -1,7 +1,7 @@
 """The training loop: build everything from a TrainConfig, resume, step, evaluate, save."""
 
 import dataclasses
-import json
+import functools
 import math
 import os
 import time
@@ -12,15 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infir2_jax import sharding as sharding_lib
-from infir2_jax.checkpoint import Checkpointer, abstract_like
+from infir2_jax import parallel
 from infir2_jax.config import TrainConfig
 from infir2_jax.data import make_data
-from infir2_jax.metrics import MetricsWriter, peak_flops_per_device
-from infir2_jax.model import Qwen2
-from infir2_jax.optim import make_optimizer, make_schedule
+from infir2_jax.model import Qwen2, init_params, projections
 from infir2_jax.precision import make_dot_general_factory, telemetry
-from infir2_jax.train_step import make_eval_step, make_train_step
+from infir2_jax.train import rundir
+from infir2_jax.train.checkpoint import Checkpointer, abstract_like, restore_params
+from infir2_jax.train.metrics import MetricsWriter, peak_flops_per_device
+from infir2_jax.train.optim import make_optimizer, make_schedule
+from infir2_jax.train.step import make_eval_step, make_train_step
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -37,12 +38,6 @@ def build_model(cfg: TrainConfig, telemetry: bool = False) -> Qwen2:
   return Qwen2(model_cfg, make_dot_general_factory(cfg.precision, telemetry=telemetry))
 
 
-def init_params_fn(model: Qwen2, cfg: TrainConfig):
-  """rng -> boxed params (LogicallyPartitioned leaves), for abstract-first init."""
-  tokens = jnp.zeros((1, min(cfg.seq_len, 128)), jnp.int32)
-  return lambda rng: model.init(rng, tokens)["params"]
-
-
 def _global_batch(batch: dict[str, np.ndarray], sharding, global_rows: int) -> dict[str, jax.Array]:
   """Process-local rows -> one global array; the global shape makes a wrong split an error."""
   return {k: jax.make_array_from_process_local_data(sharding, v, (global_rows, *v.shape[1:]))
@@ -52,20 +47,21 @@ def _global_batch(batch: dict[str, np.ndarray], sharding, global_rows: int) -> d
 def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) a run in `workdir`. Returns the last step's and eval metrics."""
   os.makedirs(workdir, exist_ok=True)
-  mesh = sharding_lib.make_mesh(cfg.mesh)
-  rules = sharding_lib.logical_rules(cfg.mesh, cfg.model, mesh)
-  batch_sharding = sharding_lib.batch_sharding(mesh, rules)
-  batch_shards = sharding_lib.ways(mesh, sharding_lib.mesh_axes_of(rules, "batch"))
+  mesh = parallel.make_mesh(cfg.mesh)
+  rules = parallel.logical_rules(cfg.mesh, cfg.model, mesh)
+  batch_sharding = parallel.batch_sharding(mesh, rules)
+  batch_shards = parallel.ways(mesh, parallel.mesh_axes_of(rules, "batch"))
   micro_batch = cfg.batch_size // cfg.grad_accum_steps
   if micro_batch % batch_shards:
     raise ValueError(f"batch_size={cfg.batch_size} / grad_accum_steps={cfg.grad_accum_steps} = "
                      f"{micro_batch} rows per micro-batch cannot be split over the "
                      f"{batch_shards} batch shards of mesh {dict(mesh.shape)}")
-  sharding_lib.check_fp8_alignment(cfg.model, mesh, rules, cfg.precision, batch_rows=micro_batch,
-                                   seq_len=cfg.seq_len, mode=cfg.mesh.fp8_alignment)
+  parallel.check_fp8_alignment(projections(cfg.model), mesh, rules, cfg.precision,
+                               batch_rows=micro_batch, seq_len=cfg.seq_len,
+                               mode=cfg.mesh.fp8_alignment)
   # Processes whose devices hold the same batch rows (tensor parallelism across processes)
   # must load the same rows.
-  data_index, data_count = sharding_lib.data_process_index(mesh, rules)
+  data_index, data_count = parallel.data_process_index(mesh, rules)
   data = make_data(cfg.data, seq_len=cfg.seq_len, global_batch_size=cfg.batch_size,
                    seed=cfg.seed, process_index=data_index, process_count=data_count)
   if data.vocab_size > cfg.model.vocab_size:
@@ -75,10 +71,10 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   model = build_model(cfg)
   optimizer = make_optimizer(cfg.opt, cfg.steps)
   schedule = make_schedule(cfg.opt, cfg.steps)
-  state, shardings = sharding_lib.sharded_init(
-      init_params_fn(model, cfg), optimizer, mesh, rules, jax.random.key(cfg.seed))
+  state, shardings = parallel.sharded_init(
+      functools.partial(init_params, model), optimizer, mesh, rules, jax.random.key(cfg.seed))
 
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint)
+  checkpointer = Checkpointer(workdir, cfg.checkpoint)
   train_iter = iter(data.train)
   start_step = checkpointer.latest_step() or 0
   if start_step:
@@ -87,7 +83,7 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
     state["params"] = _initial_params(cfg, state["params"], shardings["params"])
     _write_config(cfg, workdir)
 
-  metric_sharding = sharding_lib.replicated(mesh)
+  metric_sharding = parallel.replicated(mesh)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     train_step = jax.jit(
         make_train_step(model, optimizer, schedule, cfg.grad_accum_steps),
@@ -212,9 +208,8 @@ def _telemetry_step(cfg, model, optimizer, schedule, shardings, batch_sharding,
   if not cfg.precision.telemetry_every_steps:
     return None, None
   model_t = build_model(cfg, telemetry=True)
-  tokens = jnp.zeros((1, min(cfg.seq_len, 128)), jnp.int32)
   try:
-    sinks = telemetry.init_sinks(model_t, jax.random.key(0), tokens)
+    sinks = telemetry.init_sinks(model_t, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
   except ValueError:  # no FP8 projection under this recipe: nothing to measure
     return None, None
   sinks = jax.device_put(sinks, metric_sharding)
@@ -232,16 +227,14 @@ def _initial_params(cfg: TrainConfig, params, param_shardings):
   The Adam moments of the fresh state stay zero, which is right whatever the params are.
   """
   if cfg.init.hf_checkpoint:
-    from infir2_jax import hf
-    return hf.load_params_sharded(cfg.init.hf_checkpoint, cfg.model, param_shardings)
+    from infir2_jax import hf  # pylint: disable=g-import-not-at-top
+    return hf.load_params(cfg.init.hf_checkpoint, cfg.model, param_shardings)
   if cfg.init.from_run:
-    from infir2_jax import export
     step = None if cfg.init.from_run_step < 0 else cfg.init.from_run_step
-    return export.restore_params(cfg.init.from_run, abstract_like(params, param_shardings), step)
+    return restore_params(cfg.init.from_run, abstract_like(params, param_shardings), step)
   return params
 
 
 def _write_config(cfg: TrainConfig, workdir: str) -> None:
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      json.dump(cfg.to_dict(), f, indent=2)
+    rundir.write_config(workdir, cfg)

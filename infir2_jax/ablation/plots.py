@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 
-from infir2_jax import stats
+from infir2_jax.ablation import statistics
 
 _TELEMETRY_RE = re.compile(
     r"^fp8/(?!worst/)(?P<path>.+)/(?P<gemm>fprop|dgrad|wgrad)/(?P<operand>x|w|dy)/"
@@ -50,7 +50,7 @@ def band(values_SxT: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray, 
   mean = v.mean(axis=0)
   if v.shape[0] < 2:
     return mean, mean, mean
-  half = stats.t_ppf(0.5 + level / 2, v.shape[0] - 1) * v.std(axis=0, ddof=1) / math.sqrt(
+  half = statistics.t_ppf(0.5 + level / 2, v.shape[0] - 1) * v.std(axis=0, ddof=1) / math.sqrt(
       v.shape[0])
   return mean, mean - half, mean + half
 

@@ -1,7 +1,7 @@
 """Evaluation: held-out loss, and exact-match accuracy on math problems with final answers.
 
-  python -m infir2_jax.evaluate --workdir=runs/sft_demo [--step=N] [--limit=20]
-  python -m infir2_jax.evaluate --hf=DIR --workdir=runs/sft_demo   # an HF checkpoint instead
+  python -m infir2_jax.inference.evaluate --workdir=runs/sft_demo [--step=N] [--limit=20]
+  python -m infir2_jax.inference.evaluate --hf=DIR --workdir=runs/sft_demo   # an HF checkpoint instead
 
 Answer extraction from a generation (`extract_answer`), first match wins:
   1. the text after the last "Final answer:" (the format of the shipped SFT data),
@@ -24,8 +24,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from infir2_jax import generate as generate_lib
-from infir2_jax.loss import cross_entropy_sums
+from infir2_jax.inference import generate as generate_lib
+from infir2_jax.train.loss import cross_entropy_sums
 
 _NUMBER = r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?"
 
@@ -149,18 +149,18 @@ def math_exact_match(model, params, tokenizer, problems: list[tuple[str, str]], 
 
 def _load(workdir: str, step: int | None, hf_dir: str):
   """(TrainConfig, model, params): the run's checkpoint, or an HF directory."""
-  from infir2_jax import export, hf  # pylint: disable=g-import-not-at-top
-  from infir2_jax.model import Qwen2  # pylint: disable=g-import-not-at-top
-  cfg = export.read_run_config(workdir)
+  from infir2_jax import hf  # pylint: disable=g-import-not-at-top
+  from infir2_jax.model import Qwen2, abstract_params  # pylint: disable=g-import-not-at-top
+  from infir2_jax.train import rundir  # pylint: disable=g-import-not-at-top
+  from infir2_jax.train.checkpoint import restore_params  # pylint: disable=g-import-not-at-top
+  cfg = rundir.read_config(workdir)
   if hf_dir:
     model, params = hf.load_pretrained(hf_dir, dtype=cfg.model.dtype)
     return cfg, model, params
-  model = Qwen2(cfg.model)
-  abstract = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-                          nn.unbox(abstract["params"]))
-  return cfg, model, export.restore_params(workdir, abstract, step)
+                          nn.unbox(abstract_params(cfg.model)))
+  return cfg, Qwen2(cfg.model), restore_params(workdir, abstract, step)
 
 
 def main(argv):

@@ -1,17 +1,17 @@
 """Sweeps: a grid of training runs (recipe x seed x any config key), run locally or on SLURM.
 
-  python -m infir2_jax.sweep --config=configs/sweeps/default.py --workdir=runs/sweep
-  python -m infir2_jax.sweep ... --parallel=2          # two local training processes at a time
-  python -m infir2_jax.sweep ... --print_commands      # one train command per run (and the
+  python -m infir2_jax.ablation.sweep --config=configs/sweeps/default.py --workdir=runs/sweep
+  python -m infir2_jax.ablation.sweep ... --parallel=2          # two local training processes at a time
+  python -m infir2_jax.ablation.sweep ... --print_commands      # one train command per run (and the
                                                        # run directories' sweep metadata)
-  python -m infir2_jax.sweep ... --print_commands --slurm > sweep.sbatch   # a SLURM array job
-  python -m infir2_jax.report runs/sweep               # the statistics and plots
+  python -m infir2_jax.ablation.sweep ... --print_commands --slurm > sweep.sbatch   # a SLURM array job
+  python -m infir2_jax.ablation.report runs/sweep               # the statistics and plots
 
 A sweep config file's get_config() returns a ConfigDict with
   base       the train config spec the runs start from ("configs/default.py[:variant]"),
   overrides  fixed changes to it, nested like the train config (overrides.opt.lr = 1e-3),
   grid       the axes, nested the same way, each a tuple of values (grid.seed = (0, 1, 2)),
-  report     defaults of infir2_jax.report (reference, margin, last_k, alpha).
+  report     defaults of infir2_jax.ablation.report (reference, margin, last_k, alpha).
 Each run is `python -m infir2_jax.train` in WORKDIR/<run name>/. A run that finished gets a
 DONE file (its final metrics) and is skipped next time; a run that died is started again
 with the same command, and the trainer resumes it from its checkpoints. A run that stopped
@@ -33,9 +33,14 @@ import sys
 import time
 from typing import Any
 
-from infir2_jax.rundir import (  # noqa: F401 (re-exported: the run-directory layout)
-    DONE_FILE, FAILED_FILE, LOG_FILE, RUN_FILE, SWEEP_FILE, final_metrics, read_json,
-    read_metrics, run_status, write_json)
+from infir2_jax.train import rundir
+
+# A sweep's directory: the trainer's run directories (train/rundir.py) and these markers.
+SWEEP_FILE = "sweep.json"      # WORKDIR/sweep.json: the spec, the runs, each session's wall time
+RUN_FILE = "sweep_run.json"    # WORKDIR/<run>/sweep_run.json: the run's axes and overrides
+DONE_FILE = "DONE"             # WORKDIR/<run>/DONE: final metrics of a finished run
+FAILED_FILE = "FAILED"         # WORKDIR/<run>/FAILED: exit status and log tail of a failed run
+LOG_FILE = "train.log"         # WORKDIR/<run>/train.log: the run's stdout and stderr
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("base", "overrides", "grid", "report")
@@ -86,6 +91,24 @@ class Run:
   name: str
   axes: tuple[tuple[str, Any], ...]
   overrides: tuple[tuple[str, Any], ...]
+
+
+def run_status(run_dir: str) -> str:
+  """"done" | "diverged" | "failed" | "partial" (started, not finished) | "new".
+
+  A run without markers (trained from --print_commands) is done when its metrics reach the
+  step count of its config.json.
+  """
+  if os.path.exists(os.path.join(run_dir, DONE_FILE)):
+    return "done"
+  failed = rundir.read_json(os.path.join(run_dir, FAILED_FILE))
+  if failed is not None:
+    return "diverged" if failed.get("diverged") else "failed"
+  if not os.path.exists(run_dir):
+    return "new"
+  steps = (rundir.config_dict(run_dir) or {}).get("steps")
+  last = rundir.final_metrics(run_dir).get("step")
+  return "done" if steps is not None and last == steps else "partial"
 
 
 def _flatten(tree, prefix: str = "") -> dict[str, Any]:
@@ -185,12 +208,12 @@ def _prepare_run_dir(run: Run, workdir: str) -> str:
   os.makedirs(run_dir, exist_ok=True)
   path = os.path.join(run_dir, RUN_FILE)
   record = {"name": run.name, "axes": dict(run.axes), "overrides": dict(run.overrides)}
-  old = read_json(path)
+  old = rundir.read_json(path)
   if old is not None and json.loads(json.dumps(old["overrides"])) != json.loads(
       json.dumps(record["overrides"])):
     raise ValueError(f"{run_dir} was trained with other overrides ({old['overrides']}) than "
                      f"this sweep gives it ({record['overrides']}); use another --workdir")
-  write_json(path, record)
+  rundir.write_json(path, record)
   return run_dir
 
 
@@ -202,9 +225,9 @@ def _finish(run: Run, run_dir: str, rc: int, wall_s: float, log_offset: int = 0)
   for name in (DONE_FILE, FAILED_FILE):
     if os.path.exists(os.path.join(run_dir, name)):
       os.remove(os.path.join(run_dir, name))
-  final = final_metrics(run_dir)
+  final = rundir.final_metrics(run_dir)
   if rc == 0:
-    write_json(os.path.join(run_dir, DONE_FILE), {"name": run.name, "final": final,
+    rundir.write_json(os.path.join(run_dir, DONE_FILE), {"name": run.name, "final": final,
                                                   "wall_s": wall_s, "finished": _now()})
     return "done"
   tail = ""
@@ -213,7 +236,7 @@ def _finish(run: Run, run_dir: str, rc: int, wall_s: float, log_offset: int = 0)
       f.seek(log_offset)
       tail = f.read()[-4000:]
   diverged = "NonFiniteLossError" in tail
-  write_json(os.path.join(run_dir, FAILED_FILE), {
+  rundir.write_json(os.path.join(run_dir, FAILED_FILE), {
       "name": run.name, "returncode": rc, "diverged": diverged, "final": final,
       "wall_s": wall_s, "log_tail": tail[-1500:], "finished": _now()})
   return "diverged" if diverged else "failed"
@@ -277,7 +300,7 @@ def run_sweep(spec: SweepSpec, workdir: str, *, parallel: int = 1, threads_per_r
         logf.close()
         del active[name]
         status[name] = _finish(run, run_dir, proc.returncode, time.perf_counter() - t0, offset)
-        final = final_metrics(run_dir)
+        final = rundir.final_metrics(run_dir)
         done = sum(s in ("done", "diverged") for s in status.values())
         log(f"[{done}/{len(runs)}] {name}: {status[name]} in {time.perf_counter() - t0:.0f} s"
             + (f", loss {final['loss']:.4f}" if "loss" in final else "")
@@ -331,16 +354,16 @@ def prepare(spec: SweepSpec, workdir: str) -> list[Run]:
 
 def _record_session(spec, workdir, start, wall_s, parallel, ran):
   path = os.path.join(workdir, SWEEP_FILE)
-  record = read_json(path) or {}
+  record = rundir.read_json(path) or {}
   sessions = record.get("sessions", [])
   if ran:
     argv = sys.argv
-    command = (shlex.join(["python", "-m", "infir2_jax.sweep", *argv[1:]])
+    command = (shlex.join(["python", "-m", "infir2_jax.ablation.sweep", *argv[1:]])
                if argv and argv[0].endswith("sweep.py") else shlex.join(argv))
     sessions.append({"start": start, "wall_s": round(wall_s, 1), "parallel": parallel,
                      "runs": ran, "cpus": os.cpu_count(), "platform": platform.platform(),
                      "command": command})
-  write_json(path, {"spec": spec.to_dict(), "runs": [r.name for r in expand(spec)],
+  rundir.write_json(path, {"spec": spec.to_dict(), "runs": [r.name for r in expand(spec)],
                     "sessions": sessions})
 
 
@@ -353,7 +376,7 @@ def slurm_script(spec_path: str, workdir: str, num_runs: int, sbatch: list[str],
            "#SBATCH --output=%x-%A_%a.out"]
   lines += [f"#SBATCH {arg}" for arg in sbatch]
   lines += ["set -euo pipefail", 'cd "${SLURM_SUBMIT_DIR:-.}"',
-            shlex.join([python, "-m", "infir2_jax.sweep", f"--config={spec_path}",
+            shlex.join([python, "-m", "infir2_jax.ablation.sweep", f"--config={spec_path}",
                         *config_args, f"--workdir={workdir}"])
             + " --run_index=$SLURM_ARRAY_TASK_ID", ""]
   return "\n".join(lines)
@@ -406,7 +429,7 @@ def main(argv=None) -> None:
     bad = {n: s for n, s in status.items() if s not in ("done", "diverged")}
     if bad:
       sys.exit(f"sweep: runs not finished: {bad}; re-run the same command to resume")
-    print(f"sweep: finished; report: python -m infir2_jax.report {FLAGS.workdir}")
+    print(f"sweep: finished; report: python -m infir2_jax.ablation.report {FLAGS.workdir}")
 
   app.run(_main, argv=argv)
 

@@ -1,17 +1,15 @@
-"""Autoregressive generation with a KV cache: greedy or temperature/top-k/top-p, jitted.
+"""Autoregressive generation with the model's KV cache: greedy or temperature/top-k/top-p, jitted.
 
-The decode-time forward below reuses the model's own building blocks (Linear with the
-model's dot_general factory, RMSNorm, rope_cos_sin/apply_rope, jax.nn.dot_product_attention)
-on the model's params, adding only the cache. tests/test_generate.py checks it against the
-full forward of `Qwen2` and against transformers' `generate`.
+The decoding forward is the model itself (Qwen2 with decode=True and its "cache" collection);
+this module pads and aligns prompts, samples and runs the loop. tests/test_generate.py checks
+it against the full forward of `Qwen2` and against transformers' `generate`.
 
 Prompts are left-aligned internally (right- or left-padded input both work): row b's real
-tokens end at slot P-1, keys in pad slots are masked, and positions count real tokens only,
-so every row sees exactly what it would see alone. Then each step writes one token at slot
-P+t of the cache for all rows at once.
+tokens end at slot P-1, pad slots carry segment id 0 (real tokens 1), so no real token
+attends to them, and positions count real tokens only: every row sees exactly what it would
+see alone. Then each step writes one token at slot P+t of the cache for all rows at once.
 
-Shape legend: B batch, P prompt slots, T tokens fed in one call, S cache slots (P + N),
-N new tokens, H query heads, K key/value heads, Dh head size, D width, V vocabulary.
+Shape legend: B batch, P prompt slots, S cache slots (P + N), N new tokens, V vocabulary.
 """
 
 import dataclasses
@@ -23,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from infir2_jax.model import Qwen2
-from infir2_jax.model.layers import Linear, RMSNorm, apply_rope, rope_cos_sin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,91 +30,21 @@ class GenerateOutput:
   finished: np.ndarray    # [B] whether the row stopped at a stop token (else hit N)
 
 
-def _linear(model: Qwen2, params, path: str, features: int, use_bias: bool, x):
-  """The model's Linear (same dot_general, dtype casts and bias) applied to given params."""
-  cfg = model.config
-  factory = lambda _: model.dot_general_factory(path)  # keep the projection's real path
-  layer = Linear(features, ("embed", "mlp"), use_bias, jnp.dtype(cfg.dtype),
-                 jnp.dtype(cfg.param_dtype), cfg.init_std, factory)
-  return layer.apply({"params": params}, x)
+def init_cache(model: Qwen2, batch: int, slots: int):
+  """Zero KV caches of `slots` positions for `batch` rows (shapes from an abstract init)."""
+  shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((batch, slots),
+                                                                          jnp.int32),
+                                             decode=True))["cache"]
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def _norm(model: Qwen2, params, x):
-  cfg = model.config
-  return RMSNorm(cfg.rms_norm_eps, jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)).apply(
-      {"params": params}, x)
-
-
-def _layer(model: Qwen2, p, prefix, x_BxTxD, cos, sin, cache_kv, write_at, mask_Bx1xTxS):
-  """One decoder layer on T new tokens; appends their K/V to the layer's cache at write_at."""
-  cfg = model.config
-  batch, length, width = x_BxTxD.shape
-  heads, kv_heads, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-  attn_p = p["self_attn"]
-  h = _norm(model, p["input_layernorm"], x_BxTxD)
-  proj = lambda name, n, bias: _linear(model, attn_p[name], f"{prefix}/self_attn/{name}", n,
-                                       bias, h)
-  q_BxTxHxDh = proj("q_proj", heads * dh, cfg.qkv_bias).reshape(batch, length, heads, dh)
-  k_BxTxKxDh = proj("k_proj", kv_heads * dh, cfg.qkv_bias).reshape(batch, length, kv_heads, dh)
-  v_BxTxKxDh = proj("v_proj", kv_heads * dh, cfg.qkv_bias).reshape(batch, length, kv_heads, dh)
-  q_BxTxHxDh = apply_rope(q_BxTxHxDh, cos, sin)
-  k_BxTxKxDh = apply_rope(k_BxTxKxDh, cos, sin)
-  k_cache, v_cache = cache_kv
-  k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k_BxTxKxDh.astype(k_cache.dtype),
-                                                write_at, axis=1)
-  v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v_BxTxKxDh.astype(v_cache.dtype),
-                                                write_at, axis=1)
-  out_BxTxHxDh = jax.nn.dot_product_attention(q_BxTxHxDh, k_cache, v_cache, mask=mask_Bx1xTxS)
-  attn_out = _linear(model, attn_p["o_proj"], f"{prefix}/self_attn/o_proj", width, False,
-                     out_BxTxHxDh.reshape(batch, length, heads * dh))
-  x_BxTxD = x_BxTxD + attn_out
-  h = _norm(model, p["post_attention_layernorm"], x_BxTxD)
-  mlp_p, mlp = p["mlp"], f"{prefix}/mlp"
-  gate = _linear(model, mlp_p["gate_proj"], f"{mlp}/gate_proj", cfg.intermediate_size, False, h)
-  up = _linear(model, mlp_p["up_proj"], f"{mlp}/up_proj", cfg.intermediate_size, False, h)
-  down = _linear(model, mlp_p["down_proj"], f"{mlp}/down_proj", width, False,
-                 jax.nn.silu(gate) * up)
-  return x_BxTxD + down, (k_cache, v_cache)
-
-
-def forward_with_cache(model: Qwen2, params, tokens_BxT, positions_BxT, cache, write_at,
-                       key_valid_BxS):
-  """Feeds T tokens at cache slots [write_at, write_at + T); returns last-slot logits.
-
-  Args:
-    cache: {"layers_i": (k, v)} with k, v [B, S, K, Dh] in the compute dtype.
-    key_valid_BxS: which slots hold real tokens once this call has written.
-
-  Returns:
-    (logits_BxV float32 of the last fed slot, updated cache).
-  """
-  cfg = model.config
-  dtype = jnp.dtype(cfg.dtype)
-  length, slots = tokens_BxT.shape[1], key_valid_BxS.shape[1]
-  embedding = params["embed_tokens"]["embedding"]
-  x_BxTxD = jnp.take(embedding.astype(dtype), tokens_BxT, axis=0)   # = nn.Embed
-  cos, sin = rope_cos_sin(positions_BxT, cfg.head_size, cfg.rope_theta)
-  query_slot_T = write_at + jnp.arange(length)
-  causal_TxS = jnp.arange(slots)[None, :] <= query_slot_T[:, None]
-  mask_Bx1xTxS = (causal_TxS[None] & key_valid_BxS[:, None, :])[:, None]
-  # A pad query has no valid key; let it see itself so its (unused) softmax is well defined.
-  mask_Bx1xTxS |= (jnp.arange(slots)[None, :] == query_slot_T[:, None])[None, None]
-  new_cache = {}
-  for i in range(cfg.num_layers):
-    name = f"layers_{i}"
-    x_BxTxD, new_cache[name] = _layer(model, params[name], name, x_BxTxD, cos, sin,
-                                      cache[name], write_at, mask_Bx1xTxS)
-  x_BxD = _norm(model, params["norm"], x_BxTxD[:, -1])
-  # LM head in the compute dtype with a float32 result, as in Qwen2.__call__.
-  dot_general = model.dot_general_factory("lm_head")
-  if cfg.tie_embeddings:
-    logits = dot_general(x_BxD, embedding.astype(dtype), (((1,), (1,)), ((), ())),
-                         precision=None, preferred_element_type=jnp.float32)
-  else:
-    logits = dot_general(x_BxD, params["lm_head"]["kernel"].astype(dtype),
-                         (((1,), (0,)), ((), ())), precision=None,
-                         preferred_element_type=jnp.float32)
-  return logits.astype(jnp.float32), new_cache
+def decode_step(model: Qwen2, params, cache, tokens_BxT, positions_BxT, segment_ids_BxT):
+  """Feeds T tokens at the cache's next slots; returns (logits_BxV float32 of the last, cache)."""
+  hidden_BxTxD, variables = model.apply(
+      {"params": params, "cache": cache}, tokens_BxT, positions_BxT, segment_ids_BxT,
+      return_hidden=True, decode=True, mutable=["cache"])
+  logits_BxV = model.head_logits(params, hidden_BxTxD[:, -1])
+  return logits_BxV.astype(jnp.float32), variables["cache"]
 
 
 def sample_logits(logits_BxV, rng, temperature: float = 0.0, top_p: float = 1.0,
@@ -146,39 +73,32 @@ def sample_logits(logits_BxV, rng, temperature: float = 0.0, top_p: float = 1.0,
                                              "top_k"))
 def _generate(model, params, prompt_BxP, lengths_B, rng, stop_ids, pad_id, *, max_new_tokens,
               temperature, top_p, top_k):
-  cfg = model.config
   batch, prompt_len = prompt_BxP.shape
   slots = prompt_len + max_new_tokens
   first_real_B = prompt_len - lengths_B
-  key_valid_BxS = jnp.arange(slots)[None, :] >= first_real_B[:, None]
-  key_valid_BxS &= jnp.arange(slots)[None, :] < prompt_len
+  segment_ids_BxP = (jnp.arange(prompt_len)[None, :] >= first_real_B[:, None]).astype(jnp.int32)
   positions_BxP = jnp.maximum(jnp.arange(prompt_len)[None, :] - first_real_B[:, None], 0)
-  kv_shape = (batch, slots, cfg.num_kv_heads, cfg.head_size)
-  cache = {f"layers_{i}": (jnp.zeros(kv_shape, cfg.dtype), jnp.zeros(kv_shape, cfg.dtype))
-           for i in range(cfg.num_layers)}
-  logits_BxV, cache = forward_with_cache(model, params, prompt_BxP, positions_BxP, cache, 0,
-                                         key_valid_BxS)
+  cache = init_cache(model, batch, slots)
+  logits_BxV, cache = decode_step(model, params, cache, prompt_BxP, positions_BxP,
+                                  segment_ids_BxP)
 
   def cond(carry):
     t, done_B = carry[0], carry[-1]
     return (t < max_new_tokens) & ~jnp.all(done_B)
 
   def body(carry):
-    t, rng, logits_BxV, cache, key_valid_BxS, out_BxN, done_B = carry
+    t, rng, logits_BxV, cache, out_BxN, done_B = carry
     rng, step_rng = jax.random.split(rng)
     token_B = jnp.where(done_B, pad_id, sample_logits(logits_BxV, step_rng, temperature, top_p,
                                                       top_k))
     out_BxN = out_BxN.at[:, t].set(token_B)
     done_B = done_B | jnp.isin(token_B, stop_ids)
-    slot = prompt_len + t
-    key_valid_BxS = key_valid_BxS.at[:, slot].set(True)
-    logits_BxV, cache = forward_with_cache(model, params, token_B[:, None],
-                                           (lengths_B + t)[:, None], cache, slot, key_valid_BxS)
-    return t + 1, rng, logits_BxV, cache, key_valid_BxS, out_BxN, done_B
+    logits_BxV, cache = decode_step(model, params, cache, token_B[:, None],
+                                    (lengths_B + t)[:, None], jnp.ones((batch, 1), jnp.int32))
+    return t + 1, rng, logits_BxV, cache, out_BxN, done_B
 
   out_BxN = jnp.full((batch, max_new_tokens), pad_id, jnp.int32)
-  carry = (jnp.int32(0), rng, logits_BxV, cache, key_valid_BxS, out_BxN,
-           jnp.zeros((batch,), jnp.bool_))
+  carry = (jnp.int32(0), rng, logits_BxV, cache, out_BxN, jnp.zeros((batch,), jnp.bool_))
   carry = jax.lax.while_loop(cond, body, carry)
   out_BxN = carry[-2]
   is_stop_BxN = jnp.isin(out_BxN, stop_ids)

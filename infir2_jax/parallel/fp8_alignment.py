@@ -3,16 +3,17 @@
 import dataclasses
 import logging
 import re
+from collections.abc import Sequence
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from infir2_jax import sharding as sharding_lib
-from infir2_jax.precision import PrecisionConfig, get_recipe, resolve_recipe
-from infir2_jax.precision.config import HEAD_PATH_RE
+from infir2_jax.parallel import mesh as mesh_lib
+from infir2_jax.precision.config import PrecisionConfig, resolve_recipe
 from infir2_jax.precision.quantize import resolve_tile
+
+# One projection y = x W of the model: (path, (K, N), (K axis, N axis)), the axes being the
+# logical axes of W's compute copy (infir2_jax.model.params.projections lists them).
+Projection = tuple[str, tuple[int, int], tuple[str | None, str | None]]
 
 # With block/tile scaling (1x128 activation and gradient tiles, 128x128 weight blocks) each
 # device can quantize its own shard, with no cross-shard amax, only when every sharded
@@ -22,7 +23,7 @@ from infir2_jax.precision.quantize import resolve_tile
 # cross-shard max and are always accepted.
 #
 # Weights are checked in their compute layout: the model gathers a kernel over fsdp (in bf16)
-# before the dot_general quantizes it (sharding.compute_axes), so FSDP never splits a block;
+# before the dot_general quantizes it (model.axes.compute_axes), so FSDP never splits a block;
 # the tensor-parallel splits of heads / MLP hidden / vocab and the token split remain.
 #
 # The three GEMMs of a projection Y = X W (X [M, K] tokens x in, W [K, N]) in the recipes'
@@ -51,47 +52,18 @@ class _Dim:
   block: int | None   # length of each device's contiguous run (None: unknown)
 
 
-def projections(model_cfg) -> list[tuple[str, tuple[int, int], tuple[str, str]]]:
-  """[(path, (K, N), (K logical axis, N logical axis))] of every projection of the model,
-  read from the model's own params (jax.eval_shape, no allocation)."""
-  from infir2_jax.model import Qwen2  # the model package is heavier than this module
-  model = Qwen2(model_cfg)
-  boxed = jax.eval_shape(
-      lambda r: model.init(r, jnp.zeros((1, 1), jnp.int32))["params"], jax.random.key(0))
-  flat = jax.tree_util.tree_flatten_with_path(
-      boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]
-  out = []
-  for path, leaf in flat:
-    name = sharding_lib.path_str(path)
-    if isinstance(leaf, nn.LogicallyPartitioned) and name.endswith("/kernel"):
-      out.append((name[:-len("/kernel")], tuple(leaf.value.shape), tuple(leaf.names)))
-    elif name == "embed_tokens/embedding" and model_cfg.tie_embeddings:
-      (v, d), (v_axis, d_axis) = leaf.value.shape, leaf.names  # the tied LM head: W^T = E
-      out.append(("lm_head", (d, v), (d_axis, v_axis)))
-  return out
-
-
-def _recipe_for(precision):
-  """path -> Recipe, from a PrecisionConfig (overrides, LM head) or a recipe name / Recipe
-  (every projection but the LM head, which stays bf16 as in PrecisionConfig's default)."""
-  if isinstance(precision, PrecisionConfig):
-    return lambda path: resolve_recipe(precision, path)
-  recipe = get_recipe(precision)
-  return lambda path: get_recipe("bf16") if HEAD_PATH_RE.search(path) else recipe
-
-
 def _feature_dim(letter, size, logical, mesh, rules) -> _Dim:
-  axes = sharding_lib.mesh_axes_of(rules, logical) if logical else ()
-  n = sharding_lib.ways(mesh, axes)
+  axes = mesh_lib.mesh_axes_of(rules, logical) if logical else ()
+  n = mesh_lib.ways(mesh, axes)
   return _Dim(f"{letter}={size} ({logical})", size, axes, n, size // n if size % n == 0 else None)
 
 
 def _token_dim(mesh, rules, batch_rows, seq_len) -> _Dim | None:
   if not batch_rows or not seq_len:
     return None
-  batch_axes = sharding_lib.mesh_axes_of(rules, "batch")
-  length_axes = sharding_lib.mesh_axes_of(rules, "length")
-  nb, nl = sharding_lib.ways(mesh, batch_axes), sharding_lib.ways(mesh, length_axes)
+  batch_axes = mesh_lib.mesh_axes_of(rules, "batch")
+  length_axes = mesh_lib.mesh_axes_of(rules, "length")
+  nb, nl = mesh_lib.ways(mesh, batch_axes), mesh_lib.ways(mesh, length_axes)
   size = batch_rows * seq_len
   # Tokens are rows x positions flattened: a device holds runs of seq_len/nl tokens when the
   # sequence is split, else (rows/nb) whole rows.
@@ -103,30 +75,27 @@ def _token_dim(mesh, rules, batch_rows, seq_len) -> _Dim | None:
               batch_axes + length_axes, nb * nl, block)
 
 
-def fp8_alignment_problems(model_cfg, mesh: Mesh, rules, precision, *,
-                           batch_rows: int | None = None,
+def fp8_alignment_problems(projections: Sequence[Projection], mesh: Mesh, rules,
+                           precision: PrecisionConfig, *, batch_rows: int | None = None,
                            seq_len: int | None = None) -> list[str]:
   """Every (projection, GEMM operand, dimension) whose FP8 tiles straddle shards.
 
   Args:
-    model_cfg: ModelConfig.
+    projections: the model's projections with their weights' compute axes.
     mesh, rules: the mesh and logical rules of the run.
-    precision: PrecisionConfig, or a recipe name / Recipe applied to every projection but
-      the LM head.
+    precision: which recipe runs where (precision.resolve_recipe decides per path).
     batch_rows, seq_len: rows per (micro-)batch and tokens per row; the token dimension M is
       checked only when both are given.
 
   Returns:
     One line per problem, layers with identical problems merged ("layers_*/mlp/down_proj").
   """
-  recipe_for = _recipe_for(precision)
   token = _token_dim(mesh, rules, batch_rows, seq_len)
   problems: dict[tuple[str, str], dict[str, None]] = {}  # (problem, path) -> gemms
-  for path, (k, n), (k_axis, n_axis) in projections(model_cfg):
-    recipe = recipe_for(path)
+  for path, (k, n), (k_axis, n_axis) in projections:
+    recipe = resolve_recipe(precision, path)
     if recipe.is_bf16:
       continue
-    k_axis, n_axis = sharding_lib.compute_axes((k_axis, n_axis))
     dims = {"K": _feature_dim("K", k, k_axis, mesh, rules),
             "N": _feature_dim("N", n, n_axis, mesh, rules), "M": token}
     for (gemm, side), (tensor, dim_keys) in _OPERANDS.items():
@@ -155,16 +124,16 @@ def fp8_alignment_problems(model_cfg, mesh: Mesh, rules, precision, *,
           for (problem, gemms), paths in merged.items()]
 
 
-def check_fp8_alignment(model_cfg, mesh: Mesh, rules, precision, *,
-                        batch_rows: int | None = None, seq_len: int | None = None,
-                        mode: str = "error") -> list[str]:
+def check_fp8_alignment(projections: Sequence[Projection], mesh: Mesh, rules,
+                        precision: PrecisionConfig, *, batch_rows: int | None = None,
+                        seq_len: int | None = None, mode: str = "error") -> list[str]:
   """Raises ValueError (mode "error"), logs a warning ("warn") or does nothing ("off") when
   an FP8 tile would straddle a shard boundary; returns the problems found."""
-  if mode not in sharding_lib.FP8_ALIGNMENT_MODES:
-    raise ValueError(f"mode={mode!r}; valid: {sharding_lib.FP8_ALIGNMENT_MODES}")
+  if mode not in mesh_lib.FP8_ALIGNMENT_MODES:
+    raise ValueError(f"mode={mode!r}; valid: {mesh_lib.FP8_ALIGNMENT_MODES}")
   if mode == "off":
     return []
-  problems = fp8_alignment_problems(model_cfg, mesh, rules, precision,
+  problems = fp8_alignment_problems(projections, mesh, rules, precision,
                                     batch_rows=batch_rows, seq_len=seq_len)
   if not problems:
     return []

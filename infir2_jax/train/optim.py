@@ -1,34 +1,10 @@
 """optax AdamW on the float32 master parameters, with WSD / cosine / constant schedules."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import optax
 
-
-@dataclasses.dataclass(frozen=True)
-class OptConfig:
-  lr: float = 3e-3                 # peak learning rate
-  schedule: str = "wsd"            # "wsd" (warm-up, stable, decay) | "cosine" | "constant"
-  warmup_steps: int = 30           # linear warm-up from 0 to lr
-  decay_fraction: float = 0.2      # wsd: last fraction of the steps decays linearly
-  min_lr_ratio: float = 0.1        # final lr = lr * min_lr_ratio (wsd and cosine)
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  weight_decay: float = 0.1        # decoupled; never applied to norms or biases
-  clip_norm: float = 1.0           # global-norm clipping (0 = off)
-
-  def __post_init__(self):
-    if self.schedule not in ("wsd", "cosine", "constant"):
-      raise ValueError(f"opt.schedule={self.schedule!r}; valid: 'wsd', 'cosine', 'constant'")
-    if self.lr <= 0:
-      raise ValueError(f"opt.lr must be positive, got {self.lr}")
-    if not 0.0 <= self.decay_fraction <= 1.0:
-      raise ValueError(f"opt.decay_fraction must be in [0, 1], got {self.decay_fraction}")
-    if self.warmup_steps < 0:
-      raise ValueError(f"opt.warmup_steps must be >= 0, got {self.warmup_steps}")
+from infir2_jax.config import OptConfig
 
 
 def make_schedule(cfg: OptConfig, total_steps: int) -> optax.Schedule:

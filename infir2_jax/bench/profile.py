@@ -6,8 +6,8 @@ import gzip
 import json
 import os
 
-from infir2_jax.kernels.gemm import KERNEL_NAME as GEMM_KERNEL, parse_gemm_kernel_name
-from infir2_jax.kernels.quantize import KERNEL_NAME as QUANTIZE_KERNEL
+from infir2_jax.precision.kernels.gemm import KERNEL_NAME as GEMM_KERNEL, parse_gemm_kernel_name
+from infir2_jax.precision.kernels.quantize import KERNEL_NAME as QUANTIZE_KERNEL
 
 GEMM_KEYS = ("gemm", "cublas", "cutlass", "xmma", "sm90", "nvjet", "matmul", "dot")
 ATTENTION_KEYS = ("fmha", "flash", "cudnn", "attention", "sdpa")

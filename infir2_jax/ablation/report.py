@@ -1,9 +1,9 @@
 """Sweep report: per-recipe losses with seed confidence intervals, paired tests against bf16.
 
-  python -m infir2_jax.report runs/sweep [--reference=bf16] [--margin=0.01] [--last_k=10]
+  python -m infir2_jax.ablation.report runs/sweep [--reference=bf16] [--margin=0.01] [--last_k=10]
       [--alpha=0.05] [--out_dir=runs/sweep]
 
-Reads every run directory of a sweep (infir2_jax.sweep) and writes OUT_DIR/report.md, PNG
+Reads every run directory of a sweep (infir2_jax.ablation.sweep) and writes OUT_DIR/report.md, PNG
 plots (loss curves with confidence bands, paired differences, FP8 telemetry per layer) and
 runs.csv (the per-seed numbers every statistic is computed from). Statistics:
   final train loss of a run  = mean of its last `last_k` logged train losses,
@@ -23,9 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from infir2_jax import report_plots
-from infir2_jax import stats
-from infir2_jax import rundir
+from infir2_jax.ablation import plots
+from infir2_jax.ablation import statistics
+from infir2_jax.ablation import sweep
+from infir2_jax.train import rundir
 
 DEFAULTS = {"reference": "bf16", "margin": 0.01, "last_k": 10, "alpha": 0.05, "level": 0.95}
 RECIPE_KEY, SEED_KEY = "precision.recipe", "seed"
@@ -56,8 +57,8 @@ class RunData:
 def load_run(run_dir: str) -> RunData:
   """A run directory (metrics.jsonl, config.json, the sweep's markers) as RunData."""
   records = rundir.read_metrics(run_dir)
-  config = rundir.read_json(os.path.join(run_dir, "config.json")) or {}
-  axes = (rundir.read_json(os.path.join(run_dir, rundir.RUN_FILE)) or {}).get("axes", {})
+  config = rundir.config_dict(run_dir) or {}
+  axes = (rundir.read_json(os.path.join(run_dir, sweep.RUN_FILE)) or {}).get("axes", {})
   recipe = axes.get(RECIPE_KEY, config.get("precision", {}).get("recipe", "?"))
   seed = int(axes.get(SEED_KEY, config.get("seed", -1)))
   group = tuple(sorted((k, v) for k, v in axes.items() if k not in (RECIPE_KEY, SEED_KEY)))
@@ -65,10 +66,10 @@ def load_run(run_dir: str) -> RunData:
   evals = [r for r in records if "eval_loss" in r]
   telemetry = [{k: v for k, v in r.items() if k.startswith("fp8/") or k == "step"}
                for r in train if any(k.startswith("fp8/") for k in r)]
-  marker = (rundir.read_json(os.path.join(run_dir, rundir.DONE_FILE))
-            or rundir.read_json(os.path.join(run_dir, rundir.FAILED_FILE)) or {})
+  marker = (rundir.read_json(os.path.join(run_dir, sweep.DONE_FILE))
+            or rundir.read_json(os.path.join(run_dir, sweep.FAILED_FILE)) or {})
   return RunData(
-      name=os.path.basename(os.path.normpath(run_dir)), status=rundir.run_status(run_dir),
+      name=os.path.basename(os.path.normpath(run_dir)), status=sweep.run_status(run_dir),
       recipe=str(recipe), seed=seed, group=group,
       steps=np.array([r["step"] for r in train], np.int64),
       loss=np.array([r["loss"] for r in train], np.float64),
@@ -85,7 +86,7 @@ def load_runs(sweep_dir: str) -> list[RunData]:
   for name in sorted(os.listdir(sweep_dir)):
     path = os.path.join(sweep_dir, name)
     if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in (
-        "metrics.jsonl", rundir.RUN_FILE)):
+        rundir.METRICS_FILE, sweep.RUN_FILE)):
       runs.append(load_run(path))
   if not runs:
     raise ValueError(f"no run directories (with metrics.jsonl) in {sweep_dir!r}")
@@ -97,12 +98,12 @@ class RecipeSummary:
   """One recipe's statistics in one group of the other axes."""
   recipe: str
   seeds: tuple[int, ...]
-  train: stats.MeanCI | None
-  val: stats.MeanCI | None
-  d_train: stats.MeanCI | None      # recipe - reference, paired by seed
-  d_val: stats.MeanCI | None
-  tost_train: stats.Tost | None
-  tost_val: stats.Tost | None
+  train: statistics.MeanCI | None
+  val: statistics.MeanCI | None
+  d_train: statistics.MeanCI | None      # recipe - reference, paired by seed
+  d_val: statistics.MeanCI | None
+  tost_train: statistics.Tost | None
+  tost_val: statistics.Tost | None
   not_done: tuple[tuple[str, str], ...]  # runs left out: (name, status)
 
 
@@ -138,16 +139,16 @@ def summarize(runs: list[RunData], reference: str = "bf16", *, last_k: int = 10,
       result = {}
       for m in metrics:
         vals = per[m]
-        result[m] = stats.mean_ci(list(vals.values()), level) if vals else None
+        result[m] = statistics.mean_ci(list(vals.values()), level) if vals else None
         shared = sorted(set(vals) & set(ref[m]))
         if recipe == reference or not shared or not ref[m]:
           result["d_" + m] = result["tost_" + m] = None
           continue
         a = [vals[s] for s in shared]
         b = [ref[m][s] for s in shared]
-        result["d_" + m] = stats.paired_diff(a, b, level)
+        result["d_" + m] = statistics.paired_diff(a, b, level)
         ref_mean = float(np.mean(list(ref[m].values())))
-        result["tost_" + m] = stats.tost(np.subtract(a, b), margin * ref_mean, alpha)
+        result["tost_" + m] = statistics.tost(np.subtract(a, b), margin * ref_mean, alpha)
       seeds = tuple(sorted({r.seed for r in mine}))
       not_done = tuple((r.name, r.status) for r in members
                        if r.recipe == recipe and r.status != "done")
@@ -158,7 +159,7 @@ def summarize(runs: list[RunData], reference: str = "bf16", *, last_k: int = 10,
   return out
 
 
-def _fmt_ci(ci: stats.MeanCI | None, digits: int = 4) -> str:
+def _fmt_ci(ci: statistics.MeanCI | None, digits: int = 4) -> str:
   if ci is None:
     return "—"
   if ci.n < 2:
@@ -166,7 +167,7 @@ def _fmt_ci(ci: stats.MeanCI | None, digits: int = 4) -> str:
   return f"{ci.mean:.{digits}f} ± {ci.half_width:.{digits}f}"
 
 
-def _fmt_diff(ci: stats.MeanCI | None, ref_mean: float | None) -> str:
+def _fmt_diff(ci: statistics.MeanCI | None, ref_mean: float | None) -> str:
   if ci is None:
     return "—"
   rel = f" ({100 * ci.mean / ref_mean:+.2f}%)" if ref_mean else ""
@@ -175,12 +176,12 @@ def _fmt_diff(ci: stats.MeanCI | None, ref_mean: float | None) -> str:
   return f"{ci.mean:+.4f} [{ci.low:+.4f}, {ci.high:+.4f}]{rel}"
 
 
-def _fmt_tost(t: stats.Tost | None) -> str:
+def _fmt_tost(t: statistics.Tost | None) -> str:
   if t is None:
     return "—"
   p = "n/a" if math.isnan(t.p_value) else (f"{t.p_value:.2g}" if t.p_value >= 1e-4
                                             else "<1e-4")
-  return f"**{stats.verdict(t)}** (p={p}, margin ±{t.margin:.4f})"
+  return f"**{statistics.verdict(t)}** (p={p}, margin ±{t.margin:.4f})"
 
 
 def markdown(summary: dict[tuple, list[RecipeSummary]], runs: list[RunData],
@@ -257,7 +258,7 @@ def markdown(summary: dict[tuple, list[RecipeSummary]], runs: list[RunData],
     lines.append(f"| {r.name} | `{r.recipe}` | {r.seed} | {r.status} | "
                  f"{r.final_train(s['last_k']):.4f} | {r.final_eval():.4f} | {wall} |")
   lines += ["", "Per-seed values: [runs.csv](runs.csv). Regenerate: "
-            "`python -m infir2_jax.report SWEEP_DIR`.", ""]
+            "`python -m infir2_jax.ablation.report SWEEP_DIR`.", ""]
   return "\n".join(lines)
 
 
@@ -282,7 +283,7 @@ def make_report(sweep_dir: str, out_dir: str | None = None, *, plots: bool = Tru
   settings: reference, margin, last_k, alpha, level; unset ones come from the sweep config's
   `report` section (WORKDIR/sweep.json), then DEFAULTS.
   """
-  record = rundir.read_json(os.path.join(sweep_dir, rundir.SWEEP_FILE))
+  record = rundir.read_json(os.path.join(sweep_dir, sweep.SWEEP_FILE))
   from_sweep = (record or {}).get("spec", {}).get("report", {})
   unknown = sorted(set(settings) - set(DEFAULTS))
   if unknown:
@@ -296,10 +297,10 @@ def make_report(sweep_dir: str, out_dir: str | None = None, *, plots: bool = Tru
   os.makedirs(out_dir, exist_ok=True)
   figures = {}
   if plots:
-    figures = report_plots.write_all(runs, out_dir, reference=s["reference"],
+    figures = plots.write_all(runs, out_dir, reference=s["reference"],
                                      margin=float(s["margin"]), level=float(s["level"]))
   write_csv(os.path.join(out_dir, "runs.csv"), runs, int(s["last_k"]))
-  text = markdown(summary, runs, s, record, figures, report_plots.telemetry_markdown(runs))
+  text = markdown(summary, runs, s, record, figures, plots.telemetry_markdown(runs))
   path = os.path.join(out_dir, "report.md")
   with open(path, "w") as f:
     f.write(text)
@@ -318,7 +319,7 @@ def main(argv=None) -> None:
 
   def _main(args):
     if len(args) != 2:
-      raise app.UsageError("usage: python -m infir2_jax.report SWEEP_DIR [--flags]")
+      raise app.UsageError("usage: python -m infir2_jax.ablation.report SWEEP_DIR [--flags]")
     F = flags.FLAGS
     path = make_report(args[1], F.out_dir, plots=F.plots, reference=F.reference,
                        margin=F.margin, last_k=F.last_k, alpha=F.alpha)

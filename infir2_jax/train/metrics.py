@@ -1,6 +1,5 @@
 """Metrics sinks: a console progress bar, TensorBoard event files and WORKDIR/metrics.jsonl."""
 
-import dataclasses
 import json
 import math
 import os
@@ -10,21 +9,12 @@ from typing import Any
 import jax
 from tqdm.auto import tqdm
 
+from infir2_jax.config import LogConfig
+from infir2_jax.train import rundir
+
 # Dense bf16 peak per device used for MFU when log.peak_tflops is 0.
 _PEAK_TFLOPS_BY_KIND = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0,
                         "B200": 2250.0}
-
-
-@dataclasses.dataclass(frozen=True)
-class LogConfig:
-  every_steps: int = 1          # console/TensorBoard/jsonl every N steps
-  tensorboard: bool = True      # write TensorBoard event files under WORKDIR/tb
-  progress_bar: bool = True     # tqdm bar on the console (plain lines when False)
-  peak_tflops: float = 0.0      # per-device peak for MFU; 0 = from the device kind (no MFU on CPU)
-
-  def __post_init__(self):
-    if self.every_steps < 1:
-      raise ValueError(f"log.every_steps must be >= 1, got {self.every_steps}")
 
 
 def peak_flops_per_device(cfg: LogConfig) -> float | None:
@@ -50,11 +40,11 @@ class MetricsWriter:
     if not self.active:
       return
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
+    self._jsonl = open(os.path.join(workdir, rundir.METRICS_FILE), "a", buffering=1)
     if cfg.tensorboard:
       try:
         from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+        self._tb = SummaryWriter(os.path.join(workdir, rundir.TENSORBOARD_DIR))
       except ImportError:
         print("tensorboardX is not installed: no TensorBoard event files", file=sys.stderr)
     self._bar_args = dict(total=total_steps, initial=start_step, desc="train",

@@ -1,0 +1,134 @@
+"""Grouped-query self-attention for training (packed documents) and for cached decoding.
+
+Training attends within each packed document (segment ids) or over the whole row (causal).
+Decoding is the same module called with `decode=True` and a mutable "cache" collection
+(flax lm1b's pattern): each call appends its keys and values at the cache's write index,
+and queries attend to the cached slots up to their own that hold keys of their segment
+(padding carries segment 0, real tokens 1, so pad slots are never attended to by real ones).
+
+Shape legend: B batch, L length, T tokens fed in one decoding call, S cache slots, H query
+heads, K key/value heads, Dh head size, D width.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from infir2_jax.model.config import ModelConfig
+from infir2_jax.model.layers import (
+    DotGeneralFactory, Linear, apply_rope, default_dot_general_factory, rope_cos_sin)
+from infir2_jax.precision.gemm import target_platform
+
+CACHE = "cache"
+
+
+def segment_mask(segment_ids_BxL: jax.Array) -> jax.Array:
+  """[B, 1, L, L] boolean: query and key in the same packed segment (causality is separate).
+
+  Passed with `is_causal=True`, so cuDNN's flash attention skips the blocks above the
+  diagonal (half the work) and applies only this mask inside the causal triangle.
+  """
+  same_segment_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+  return same_segment_BxLxL[:, None]
+
+
+def shard_for_cudnn(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL):
+  """Shardings cuDNN attention's SPMD partitioner accepts: q, k and v alike, mask by batch.
+
+  Its partitioner requires identical PartitionSpecs for q, k and v (split on batch and heads
+  only) and the mask split on batch only; left to propagation, K and V come out sharded
+  otherwise and the compile fails ("Query, key and value should have same sharding"). Where
+  the KV heads are replicated but the query heads split (tensor degree > KV heads), K and V
+  are repeated to one head per query head first, as Megatron does. No-op without a mesh.
+  """
+  if nn.logical_to_mesh_axes(("act_heads",)) != nn.logical_to_mesh_axes(("act_kv_heads",)):
+    groups = q_BxLxHxDh.shape[2] // k_BxLxKxDh.shape[2]
+    k_BxLxKxDh = jnp.repeat(k_BxLxKxDh, groups, axis=2)
+    v_BxLxKxDh = jnp.repeat(v_BxLxKxDh, groups, axis=2)
+  qkv = tuple(nn.with_logical_constraint(t, ("batch", "length", "act_heads", None))
+              for t in (q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh))
+  if mask_Bx1xLxL is not None:
+    mask_Bx1xLxL = nn.with_logical_constraint(mask_Bx1xLxL, ("batch", None, None, None))
+  return (*qkv, mask_Bx1xLxL)
+
+
+def implementation(cfg: ModelConfig) -> str | None:
+  """jax.nn.dot_product_attention's implementation for model.attention ("auto": cuDNN on
+  a GPU target, else XLA)."""
+  if cfg.attention == "cudnn" or (cfg.attention == "auto" and target_platform() == "gpu"):
+    return "cudnn"
+  return None
+
+
+class Attention(nn.Module):
+  """Grouped-query self-attention with q/k/v biases; softmax in float32."""
+  config: ModelConfig
+  dot_general_factory: DotGeneralFactory = default_dot_general_factory
+
+  def _dense(self, features, axes, bias, name):
+    cfg = self.config
+    return Linear(features, axes, bias, dtype=jnp.dtype(cfg.dtype),
+                  param_dtype=jnp.dtype(cfg.param_dtype), init_std=cfg.init_std,
+                  dot_general_factory=self.dot_general_factory, name=name)
+
+  @nn.compact
+  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, decode: bool = False):
+    cfg = self.config
+    batch, length, width = x_BxLxD.shape
+    heads, kv_heads, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+    q = self._dense(heads * dh, ("embed", "heads"), cfg.qkv_bias, "q_proj")(x_BxLxD)
+    k = self._dense(kv_heads * dh, ("embed", "kv_heads"), cfg.qkv_bias, "k_proj")(x_BxLxD)
+    v = self._dense(kv_heads * dh, ("embed", "kv_heads"), cfg.qkv_bias, "v_proj")(x_BxLxD)
+    q_BxLxHxDh = q.reshape(batch, length, heads, dh)
+    k_BxLxKxDh = k.reshape(batch, length, kv_heads, dh)
+    v_BxLxKxDh = v.reshape(batch, length, kv_heads, dh)
+    q_BxLxHxDh = nn.with_logical_constraint(q_BxLxHxDh, ("batch", "length", "act_heads", None))
+
+    cos, sin = rope_cos_sin(positions_BxL, dh, cfg.rope_theta)
+    q_BxLxHxDh = apply_rope(q_BxLxHxDh, cos, sin)
+    k_BxLxKxDh = apply_rope(k_BxLxKxDh, cos, sin)
+
+    cached = self._append_to_cache(k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL) if decode else None
+    if cached is not None:
+      out_BxLxHxDh = jax.nn.dot_product_attention(q_BxLxHxDh, cached[0], cached[1],
+                                                  mask=cached[2])
+    else:
+      out_BxLxHxDh = self._train_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL)
+    out_BxLxHDh = out_BxLxHxDh.reshape(batch, length, heads * dh)
+    return self._dense(width, ("heads", "embed"), False, "o_proj")(out_BxLxHDh)
+
+  def _train_attention(self, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL):
+    document = self.config.attention_mask == "document"
+    mask_Bx1xLxL = segment_mask(segment_ids_BxL) if document else None
+    impl = implementation(self.config)
+    if impl == "cudnn":
+      q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL = shard_for_cudnn(
+          q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL)
+    return jax.nn.dot_product_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=mask_Bx1xLxL,
+                                        is_causal=True, implementation=impl)
+
+  def _append_to_cache(self, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT):
+    """Writes this call's keys, values and segment ids at the cache's index; returns
+    (k, v [B, S, K, Dh], mask [B, 1, T, S]), or None in the call that sizes the cache
+    (model.init with decode=True: S = that call's length)."""
+    sizing = not self.has_variable(CACHE, "k")
+    k_cache = self.variable(CACHE, "k", jnp.zeros, k_BxTxKxDh.shape, k_BxTxKxDh.dtype)
+    v_cache = self.variable(CACHE, "v", jnp.zeros, v_BxTxKxDh.shape, v_BxTxKxDh.dtype)
+    seg_cache = self.variable(CACHE, "segment_ids", jnp.zeros, segment_ids_BxT.shape, jnp.int32)
+    index = self.variable(CACHE, "index", lambda: jnp.zeros((), jnp.int32))
+    if sizing:
+      return None
+    at, length = index.value, k_BxTxKxDh.shape[1]
+    write = lambda cache, new: lax.dynamic_update_slice_in_dim(
+        cache.value, new.astype(cache.value.dtype), at, axis=1)
+    k_cache.value = write(k_cache, k_BxTxKxDh)
+    v_cache.value = write(v_cache, v_BxTxKxDh)
+    seg_cache.value = write(seg_cache, segment_ids_BxT)
+    index.value = at + length
+    slots = k_cache.value.shape[1]
+    # Slots past the index are still zero, and past every query's own slot: causality
+    # keeps them out.
+    causal_TxS = jnp.arange(slots)[None, :] <= (at + jnp.arange(length))[:, None]
+    same_BxTxS = segment_ids_BxT[:, :, None] == seg_cache.value[:, None, :]
+    return k_cache.value, v_cache.value, (causal_TxS[None] & same_BxTxS)[:, None]

@@ -1,0 +1,116 @@
+"""A training run's directory: the one owner of its layout, and of reading it back.
+
+  WORKDIR/config.json                the TrainConfig the run started with (JSON)
+  WORKDIR/metrics.jsonl              one JSON object per logged step, and eval_loss lines
+  WORKDIR/tb/                        TensorBoard event files
+  WORKDIR/checkpoints/<step>/state   the train state (orbax: step, params, opt_state)
+  WORKDIR/checkpoints/<step>/data    the data iterator's state (grain)
+"""
+
+import json
+import os
+from typing import Any
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tb"
+CHECKPOINTS_DIR = "checkpoints"
+STATE_ITEM = "state"   # orbax item names inside a checkpoint step
+DATA_ITEM = "data"
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def write_json(path: str, obj) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2, default=str)
+  os.replace(tmp, path)  # atomic: a killed process never leaves half a file
+
+
+def config_dict(workdir: str) -> dict[str, Any] | None:
+  """WORKDIR/config.json as a plain dict, or None when there is none."""
+  return read_json(os.path.join(workdir, CONFIG_FILE))
+
+
+def write_config(workdir: str, cfg) -> None:
+  """Writes WORKDIR/config.json of a TrainConfig."""
+  write_json(os.path.join(workdir, CONFIG_FILE), cfg.to_dict())
+
+
+def read_config(workdir: str):
+  """The TrainConfig a run was started with (WORKDIR/config.json)."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from infir2_jax.config import TrainConfig  # pylint: disable=g-import-not-at-top
+  values = config_dict(workdir)
+  if values is None:
+    raise FileNotFoundError(f"{os.path.join(workdir, CONFIG_FILE)} not found: is {workdir} "
+                            "a run directory?")
+  return TrainConfig.from_config_dict(ml_collections.ConfigDict(values))
+
+
+def checkpoints_dir(workdir: str) -> str:
+  """WORKDIR/checkpoints as an absolute path (orbax needs one)."""
+  return os.path.join(os.path.abspath(workdir), CHECKPOINTS_DIR)
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  root = checkpoints_dir(workdir)
+  return sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
+
+
+def checkpoint_item(workdir: str, step: int | None = None,
+                    item: str = STATE_ITEM) -> tuple[str, int]:
+  """(WORKDIR/checkpoints/<step>/<item>, step); step None = the latest."""
+  steps = checkpoint_steps(workdir)
+  if not steps:
+    raise FileNotFoundError(f"no checkpoints in {checkpoints_dir(workdir)}")
+  if step is None:
+    step = steps[-1]
+  elif step not in steps:
+    raise ValueError(f"step {step} is not a checkpoint in {checkpoints_dir(workdir)}; "
+                     f"available: {steps}")
+  return os.path.join(checkpoints_dir(workdir), str(step), item), step
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+  """metrics.jsonl lines with the LAST record of each (step, kind) kept, in step order.
+
+  A resumed run re-logs the steps after its last checkpoint; the later lines win. "NaN" /
+  "inf" strings (how the writer keeps non-finite numbers) become floats.
+  """
+  path = os.path.join(run_dir, METRICS_FILE)
+  if not os.path.exists(path):
+    return []
+  by_key: dict[tuple[int, bool], dict[str, Any]] = {}
+  with open(path) as f:
+    for line in f:
+      line = line.strip()
+      if not line:
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        continue  # a line cut short by a kill
+      record = {k: (float(v) if isinstance(v, str) and v.lower() in ("nan", "inf", "-inf")
+                    else v) for k, v in record.items()}
+      key = (int(record["step"]), "eval_loss" in record)
+      by_key[key] = record
+  return [by_key[k] for k in sorted(by_key)]
+
+
+def final_metrics(run_dir: str) -> dict[str, Any]:
+  """The last train-step record and the last eval loss of a run."""
+  records = read_metrics(run_dir)
+  train = [r for r in records if "loss" in r]
+  evals = [r for r in records if "eval_loss" in r]
+  out = dict(train[-1]) if train else {}
+  if evals:
+    out["eval_loss"] = evals[-1]["eval_loss"]
+    out["eval_step"] = evals[-1]["step"]
+  return out
