@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from infir2_jax import hf
+from infir2_jax.hf import load as hf_load
 from infir2_jax import parallel
 from infir2_jax.model import Qwen2
 
@@ -100,13 +101,13 @@ def test_sharded_load_equals_single_host_load(mesh_cfg, monkeypatch):
   _, reference = hf.load_pretrained(UNTIED)
   shardings = _shardings(cfg, mesh_cfg)
   read_sizes = {}
-  original_read = hf._read
+  original_read = hf_load._read
 
   def recording_read(reader, spec, index, dtype):
     out = original_read(reader, spec, index, dtype)
     read_sizes[spec.name] = max(read_sizes.get(spec.name, 0), out.size)
     return out
-  monkeypatch.setattr(hf, "_read", recording_read)
+  monkeypatch.setattr(hf_load, "_read", recording_read)
   params = hf.load_params(UNTIED, cfg, shardings)
 
   flat_params = flax.traverse_util.flatten_dict(params, sep="/")

@@ -136,7 +136,7 @@ def test_slurm_variables_alone_start_a_two_process_job():
   import random
   import subprocess
   job = str(random.randrange(1, 4000))
-  code = ("from infir2_jax import runtime; distributed.initialize(); import jax; "
+  code = ("from infir2_jax.parallel import distributed; distributed.initialize(); import jax; "
           "print('OK', jax.process_count(), jax.process_index(), jax.device_count())")
   procs = []
   for i in range(2):

@@ -20,7 +20,7 @@ import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
 from infir2_jax.model import ModelConfig, Qwen2
-from infir2_jax.model.qwen2 import CUDNN_ATTENTION_FWD
+from infir2_jax.model.remat import CUDNN_ATTENTION_FWD
 from test_remat_fp8 import _count_primitives, _opaque
 
 CFG = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,

@@ -20,7 +20,8 @@ from jax.interpreters import mlir
 
 import infir2_jax.precision.kernels as kernels
 from infir2_jax.model import ModelConfig, Qwen2
-from infir2_jax.precision import gemm, make_dot_general
+from infir2_jax.precision import (
+    PrecisionConfig, gemm, make_dot_general, make_dot_general_factory)
 
 # 128-aligned widths: every projection takes the kernel path
 CFG = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
@@ -80,7 +81,7 @@ def _count_primitives(jaxpr: Jaxpr, counts: collections.Counter) -> collections.
 
 def _grad_fn(remat: str, dtype: str = "bfloat16"):
   dot_general = make_dot_general("infir2", backend="pallas")
-  model = Qwen2(dataclasses.replace(CFG, remat=remat, dtype=dtype), lambda path: dot_general)
+  model = Qwen2(dataclasses.replace(CFG, remat=remat, dtype=dtype), lambda path, axes=None: dot_general)
   tokens = jnp.zeros((2, 128), jnp.int32)
   params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens)["params"]))
   loss = lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2)
@@ -132,12 +133,13 @@ def test_remat_with_fake_kernels_gives_the_same_gradients(fake_pallas):
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_per_shard_gemms_keep_the_policy(fake_pallas, scan_layers):
-  """Under FSDP x tensor the FP8 GEMMs run inside shard_map (sharded_gemm); save_dots must
+  """Under FSDP x tensor the FP8 GEMMs run inside shard_map (precision.per_shard); save_dots must
   still find their named outputs there: no GEMM recomputed."""
   from infir2_jax import parallel
-  dot_general = make_dot_general("infir2", backend="pallas")
+  factory = make_dot_general_factory(
+      PrecisionConfig(recipe="infir2", backend="pallas", quantize_lm_head=True))
   cfg = dataclasses.replace(CFG, remat="save_dots", scan_layers=scan_layers, num_kv_heads=2)
-  model = Qwen2(cfg, lambda path: dot_general)
+  model = Qwen2(cfg, factory)
   tokens = jnp.zeros((4, 128), jnp.int32)
   params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens)["params"]))
   loss = lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2)
@@ -172,7 +174,7 @@ def test_fprop_kernel_outputs_pass_an_optimization_barrier(fake_pallas, scan_lay
   _, params, tokens = _grad_fn("save_dots")
   dot_general = make_dot_general("infir2", backend="pallas")
   model = Qwen2(dataclasses.replace(CFG, remat="save_dots", scan_layers=scan_layers),
-                lambda path: dot_general)
+                lambda path, axes=None: dot_general)
   forward = jax.make_jaxpr(lambda p, t: model.apply({"params": p}, t))(params, tokens).jaxpr
   fprops, fed = _barrier_fed_gemms(forward)
   assert fprops > 0 and fed == fprops, (fprops, fed)

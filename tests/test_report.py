@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
+from infir2_jax.ablation import plots
 from infir2_jax.ablation import report
 from infir2_jax.ablation import sweep
 from infir2_jax.train import rundir
@@ -143,7 +144,7 @@ def test_report_writes_markdown_plots_and_csv(sweep_dir, tmp_path):
 
 def test_telemetry_table_averages_and_skips_inf(sweep_dir):
   runs = [r for r in report.load_runs(sweep_dir) if r.status == "done"]
-  table = report.report_plots.telemetry_table(runs)
+  table = plots.telemetry_table(runs)
   assert set(table) == {"infir2", "fp8_tensorwise"}
   assert table["infir2"][("layers_1/mlp/down_proj", "wgrad", "dy", "snr_db")] == 35.0 - 3
   assert table["fp8_tensorwise"][("layers_0/self_attn/q_proj", "fprop", "x", "flush_frac")] == \

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from infir2_jax.ablation import report
+from infir2_jax.ablation import grid
 from infir2_jax.ablation import sweep
 from infir2_jax.train import rundir
 
@@ -44,11 +45,11 @@ def _calls(workdir, name):
 
 
 def test_expand_orders_seed_major_and_names_runs():
-  spec = sweep.SweepSpec.from_dict({
+  spec = grid.SweepSpec.from_dict({
       "base": "configs/default.py", "overrides": {"steps": 5},
       "grid": {"precision": {"recipe": ("bf16", "infir2")}, "opt": {"lr": (1e-3, 3e-3)},
                "seed": (0, 1)}})
-  runs = sweep.expand(spec)
+  runs = grid.expand(spec)
   assert len(runs) == 8
   assert [r.name for r in runs[:4]] == ["bf16-lr0.001-seed0", "bf16-lr0.003-seed0",
                                         "infir2-lr0.001-seed0", "infir2-lr0.003-seed0"]
@@ -56,40 +57,40 @@ def test_expand_orders_seed_major_and_names_runs():
   assert dict(runs[1].overrides) == {"steps": 5, "seed": 0, "precision.recipe": "bf16",
                                      "opt.lr": 3e-3}
   # two axes ending in the same name keep their full keys; odd characters are made safe
-  spec = sweep.SweepSpec("", axes=(("a.x", (1,)), ("b.x", ("p/q r",))))
-  assert sweep.expand(spec)[0].name == "a.x1-b.xp_q_r"
+  spec = grid.SweepSpec("", axes=(("a.x", (1,)), ("b.x", ("p/q r",))))
+  assert grid.expand(spec)[0].name == "a.x1-b.xp_q_r"
 
 
 def test_spec_checks_keys_and_values():
   with pytest.raises(ValueError, match="'opt.lrr' is not a train config key"):
-    sweep.spec_from_config({"base": "", "grid": {"opt": {"lrr": (1.0,)}}})
+    grid.spec_from_config({"base": "", "grid": {"opt": {"lrr": (1.0,)}}})
   with pytest.raises(ValueError, match="both in overrides and in grid"):
-    sweep.spec_from_config({"base": "", "overrides": {"seed": 1}, "grid": {"seed": (0, 1)}})
+    grid.spec_from_config({"base": "", "overrides": {"seed": 1}, "grid": {"seed": (0, 1)}})
   with pytest.raises(ValueError, match="grid.seed must be a non-empty tuple"):
-    sweep.spec_from_config({"base": "", "grid": {"seed": ()}})
+    grid.spec_from_config({"base": "", "grid": {"seed": ()}})
   with pytest.raises(ValueError, match="repeated values"):
-    sweep.spec_from_config({"base": "", "grid": {"seed": (1, 1)}})
+    grid.spec_from_config({"base": "", "grid": {"seed": (1, 1)}})
   with pytest.raises(ValueError, match="unknown sweep config section"):
-    sweep.spec_from_config({"base": "", "grids": {}})
-  spec = sweep.spec_from_config({"base": "", "grid": {"precision": {"recipe": ("fp9",)}}})
+    grid.spec_from_config({"base": "", "grids": {}})
+  spec = grid.spec_from_config({"base": "", "grid": {"precision": {"recipe": ("fp9",)}}})
   with pytest.raises(ValueError, match="run fp9: precision.recipe='fp9'; valid"):
-    sweep.check_runs(spec, sweep.expand(spec))
+    grid.check_runs(spec, grid.expand(spec))
 
 
 def test_default_sweep_config_and_commands():
-  spec = sweep.load_spec(os.path.join(ROOT, "configs/sweeps/default.py"))
-  runs = sweep.expand(spec)
+  spec = grid.load_spec(os.path.join(ROOT, "configs/sweeps/default.py"))
+  runs = grid.expand(spec)
   assert len(runs) == 15
   assert {dict(r.axes)["precision.recipe"] for r in runs} == {
       "bf16", "fp8_tensorwise", "infir2", "infir2_fp32_scale", "infir2_e5m2_grad"}
-  sweep.check_runs(spec, runs)  # every run builds a valid TrainConfig
-  argv = sweep.train_command(spec, runs[7], "out")
+  grid.check_runs(spec, runs)  # every run builds a valid TrainConfig
+  argv = grid.train_command(spec, runs[7], "out")
   assert argv[:4] == ["python", "-m", "infir2_jax.train", "--config=configs/default.py"]
   assert "--config.precision.recipe=infir2" in argv and "--config.seed=1" in argv
   assert argv[-1] == "--workdir=out/infir2-seed1"
-  tuple_spec = sweep.SweepSpec("", overrides=(("precision.overrides", ["lm_head=bf16"]),))
-  assert "--config.precision.overrides=('lm_head=bf16',)" in sweep.train_command(
-      tuple_spec, sweep.expand(tuple_spec)[0], "w")
+  tuple_spec = grid.SweepSpec("", overrides=(("precision.overrides", ["lm_head=bf16"]),))
+  assert "--config.precision.overrides=('lm_head=bf16',)" in grid.train_command(
+      tuple_spec, grid.expand(tuple_spec)[0], "w")
 
 
 def test_cli_prints_commands_and_slurm_array(tmp_path):
@@ -112,7 +113,7 @@ def test_cli_prints_commands_and_slurm_array(tmp_path):
 
 
 def test_local_runner_skips_done_resumes_killed_and_keeps_diverged(tmp_path):
-  spec = sweep.SweepSpec("", overrides=(("steps", 3),),
+  spec = grid.SweepSpec("", overrides=(("steps", 3),),
                          axes=(("seed", (0, 1)), ("precision.recipe", ("bf16", "diverge",
                                                                        "crash"))))
   wd = str(tmp_path)
@@ -137,7 +138,7 @@ def test_local_runner_skips_done_resumes_killed_and_keeps_diverged(tmp_path):
   assert len(record["sessions"]) == 3 and len(record["runs"]) == 6
   assert any("sweep: 6 runs, 6 finished, 0 to run, 1 at a time" in line for line in logs)
   # A changed sweep must not silently resume runs trained with other overrides.
-  changed = sweep.SweepSpec("", overrides=(("steps", 4),), axes=spec.axes)
+  changed = grid.SweepSpec("", overrides=(("steps", 4),), axes=spec.axes)
   with pytest.raises(ValueError, match="trained with other overrides"):
     sweep.run_sweep(changed, wd, command_fn=stub_command, log=logs.append, retry_failed=True)
   # --run_index: one run of the grid
@@ -164,7 +165,7 @@ def test_real_sweep_trains_and_reports(tmp_path, monkeypatch):
   """Two 2-step runs of a shrunken default model through `python -m infir2_jax.train`."""
   monkeypatch.setenv("XLA_FLAGS", "")  # one CPU device in the runs, not conftest's 8
   monkeypatch.chdir(tmp_path)  # the base config is found from any directory
-  spec = sweep.spec_from_config({
+  spec = grid.spec_from_config({
       "base": "configs/default.py:smoke",
       "overrides": {"steps": 2, "batch_size": 2, "seq_len": 32, "eval": {"every_steps": 2,
                                                                         "batches": 1},
@@ -172,8 +173,8 @@ def test_real_sweep_trains_and_reports(tmp_path, monkeypatch):
                     "model": {"hidden_size": 128, "intermediate_size": 128, "num_layers": 1,
                               "num_heads": 2, "num_kv_heads": 1}},
       "grid": {"precision": {"recipe": ("bf16", "infir2")}, "seed": (0,)}})
-  runs = sweep.expand(spec)
-  sweep.check_runs(spec, runs)
+  runs = grid.expand(spec)
+  grid.check_runs(spec, runs)
   status = sweep.run_sweep(spec, str(tmp_path), parallel=2, log=lambda _: None)
   logs = {r.name: open(tmp_path / r.name / sweep.LOG_FILE).read()[-2000:] for r in runs}
   assert status == {"bf16-seed0": "done", "infir2-seed0": "done"}, logs

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from infir2_jax.ablation import plots
+from infir2_jax.ablation import plots as plots_lib
 from infir2_jax.ablation import statistics
 from infir2_jax.ablation import sweep
 from infir2_jax.train import rundir
@@ -297,10 +297,10 @@ def make_report(sweep_dir: str, out_dir: str | None = None, *, plots: bool = Tru
   os.makedirs(out_dir, exist_ok=True)
   figures = {}
   if plots:
-    figures = plots.write_all(runs, out_dir, reference=s["reference"],
+    figures = plots_lib.write_all(runs, out_dir, reference=s["reference"],
                                      margin=float(s["margin"]), level=float(s["level"]))
   write_csv(os.path.join(out_dir, "runs.csv"), runs, int(s["last_k"]))
-  text = markdown(summary, runs, s, record, figures, plots.telemetry_markdown(runs))
+  text = markdown(summary, runs, s, record, figures, plots_lib.telemetry_markdown(runs))
   path = os.path.join(out_dir, "report.md")
   with open(path, "w") as f:
     f.write(text)

@@ -4,10 +4,10 @@ from infir2_jax.data.chat import chat_template, prompt_ids
 from infir2_jax.data.chat import render as render_chat
 from infir2_jax.data.config import DataConfig
 from infir2_jax.data.pipeline import Data, make_data
-from infir2_jax.data.sft_sources import extract_final_answer, is_correct, load_math_eval
+from infir2_jax.data.sft_sources import load_math_eval
 from infir2_jax.data.tokenizer import SpecialIds, load_tokenizer, special_ids
 
 __all__ = [
-    "Data", "DataConfig", "SpecialIds", "chat_template", "extract_final_answer", "is_correct",
-    "load_math_eval", "load_tokenizer", "make_data", "prompt_ids", "render_chat", "special_ids",
+    "Data", "DataConfig", "SpecialIds", "chat_template", "load_math_eval", "load_tokenizer",
+    "make_data", "prompt_ids", "render_chat", "special_ids",
 ]

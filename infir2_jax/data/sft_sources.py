@@ -14,7 +14,6 @@ import gzip
 import hashlib
 import json
 import pathlib
-import re
 
 from infir2_jax.data import fetch
 
@@ -99,20 +98,3 @@ def load_math_eval(split: str = "heldout", cache_dir: str = "") -> list[tuple[st
     raise ValueError(f"split={split!r} is not one of ('heldout', 'train', 'all')")
   return [(p["question"], p["answer"]) for p in champ_problems(cache_dir)
           if split == "all" or p["split"] == split]
-
-
-def extract_final_answer(text: str) -> str | None:
-  """The answer after the last "Final answer:" in a generation (None if absent)."""
-  hits = re.findall(re.escape(ANSWER_PREFIX) + r"[ \t]*(.*)", text)
-  return hits[-1].strip() if hits else None
-
-
-def normalize_answer(answer: str) -> str:
-  """Canonical form for exact match: no spaces, no trailing period or $, lower case."""
-  answer = answer.strip().rstrip(".").strip("$")
-  return re.sub(r"\s+", "", answer).lower()
-
-
-def is_correct(generation: str, answer: str) -> bool:
-  got = extract_final_answer(generation)
-  return got is not None and normalize_answer(got) == normalize_answer(answer)

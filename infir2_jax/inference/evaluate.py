@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from infir2_jax.data.sft_sources import ANSWER_PREFIX
 from infir2_jax.inference import generate as generate_lib
 from infir2_jax.train.loss import cross_entropy_sums
 
@@ -44,7 +45,7 @@ def _last_boxed(text: str) -> str | None:
 
 def extract_answer(text: str) -> str | None:
   """The final answer of a generation (see the module docstring for the rules)."""
-  hits = re.findall(r"Final answer:[ \t]*(.*)", text)
+  hits = re.findall(re.escape(ANSWER_PREFIX) + r"[ \t]*(.*)", text)
   if hits and hits[-1].strip():
     return hits[-1].strip()
   if "\\boxed{" in text:

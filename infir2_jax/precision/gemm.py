@@ -20,6 +20,7 @@ Unquantized operands (OperandSpec.fmt None) enter path 3 as they are.
 """
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,8 @@ def pallas_kernels(backend: str):
   ("auto" falls back to XLA; "pallas" raises)."""
   if check_backend(backend) == "xla":
     return None
-  from infir2_jax.precision import kernels  # pylint: disable=g-import-not-at-top
+  # Looked up at call time (as sys.modules has it), so tests can stand in fake kernels.
+  kernels = importlib.import_module("infir2_jax.precision.kernels")
   if kernels.available():
     return kernels
   if backend == "pallas":

@@ -1,5 +1,6 @@
 """The training loop: build everything from a TrainConfig, resume, step, evaluate, save."""
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -44,12 +45,25 @@ def _global_batch(batch: dict[str, np.ndarray], sharding, global_rows: int) -> d
           for k, v in batch.items()}
 
 
-def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes) a run in `workdir`. Returns the last step's and eval metrics."""
-  os.makedirs(workdir, exist_ok=True)
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+  """Where a run's arrays live: the mesh, its logical rules and the batch's sharding."""
+  mesh: jax.sharding.Mesh
+  rules: parallel.Rules
+  batch: jax.sharding.NamedSharding
+  replicated: jax.sharding.NamedSharding
+
+  @contextlib.contextmanager
+  def context(self):
+    """The mesh and rules every traced call of the run needs."""
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      yield
+
+
+def _placement(cfg: TrainConfig) -> _Placement:
+  """The mesh and rules of cfg, after checking that its batches and FP8 tiles split evenly."""
   mesh = parallel.make_mesh(cfg.mesh)
   rules = parallel.logical_rules(cfg.mesh, cfg.model, mesh)
-  batch_sharding = parallel.batch_sharding(mesh, rules)
   batch_shards = parallel.ways(mesh, parallel.mesh_axes_of(rules, "batch"))
   micro_batch = cfg.batch_size // cfg.grad_accum_steps
   if micro_batch % batch_shards:
@@ -59,20 +73,52 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   parallel.check_fp8_alignment(projections(cfg.model), mesh, rules, cfg.precision,
                                batch_rows=micro_batch, seq_len=cfg.seq_len,
                                mode=cfg.mesh.fp8_alignment)
+  return _Placement(mesh, rules, parallel.batch_sharding(mesh, rules), parallel.replicated(mesh))
+
+
+def _make_data(cfg: TrainConfig, place: _Placement):
   # Processes whose devices hold the same batch rows (tensor parallelism across processes)
   # must load the same rows.
-  data_index, data_count = parallel.data_process_index(mesh, rules)
+  data_index, data_count = parallel.data_process_index(place.mesh, place.rules)
   data = make_data(cfg.data, seq_len=cfg.seq_len, global_batch_size=cfg.batch_size,
                    seed=cfg.seed, process_index=data_index, process_count=data_count)
   if data.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"the tokenizer has {data.vocab_size} tokens but model.vocab_size is "
                      f"{cfg.model.vocab_size}; raise model.vocab_size")
+  return data
 
+
+@dataclasses.dataclass(frozen=True)
+class _Steps:
+  """The jitted steps of a run: train, eval, and the telemetry variant (or None)."""
+  train: Any
+  eval: Any
+  telemetry: Any
+  sinks: Any
+
+
+def _jit_steps(cfg: TrainConfig, model, optimizer, schedule, shardings, place) -> _Steps:
+  with place.context():
+    train_step = jax.jit(
+        make_train_step(model, optimizer, schedule, cfg.grad_accum_steps),
+        in_shardings=(shardings, place.batch), out_shardings=(shardings, place.replicated),
+        donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(model), in_shardings=(shardings["params"], place.batch))
+  telemetry_step, sinks = _telemetry_step(cfg, model, optimizer, schedule, shardings, place)
+  return _Steps(train_step, eval_step, telemetry_step, sinks)
+
+
+def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
+  """Trains (or resumes) a run in `workdir`. Returns the last step's and eval metrics."""
+  os.makedirs(workdir, exist_ok=True)
+  place = _placement(cfg)
+  data = _make_data(cfg, place)
   model = build_model(cfg)
   optimizer = make_optimizer(cfg.opt, cfg.steps)
   schedule = make_schedule(cfg.opt, cfg.steps)
   state, shardings = parallel.sharded_init(
-      functools.partial(init_params, model), optimizer, mesh, rules, jax.random.key(cfg.seed))
+      functools.partial(init_params, model), optimizer, place.mesh, place.rules,
+      jax.random.key(cfg.seed))
 
   checkpointer = Checkpointer(workdir, cfg.checkpoint)
   train_iter = iter(data.train)
@@ -82,89 +128,95 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   else:
     state["params"] = _initial_params(cfg, state["params"], shardings["params"])
     _write_config(cfg, workdir)
-
-  metric_sharding = parallel.replicated(mesh)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    train_step = jax.jit(
-        make_train_step(model, optimizer, schedule, cfg.grad_accum_steps),
-        in_shardings=(shardings, batch_sharding), out_shardings=(shardings, metric_sharding),
-        donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(model), in_shardings=(shardings["params"], batch_sharding))
-  telemetry_step, sinks = _telemetry_step(cfg, model, optimizer, schedule, shardings,
-                                          batch_sharding, metric_sharding, mesh, rules)
-
+  steps = _jit_steps(cfg, model, optimizer, schedule, shardings, place)
   eval_batches = None
   if cfg.eval.every_steps > 0:
-    eval_batches = [_global_batch(b, batch_sharding, cfg.batch_size)
+    eval_batches = [_global_batch(b, place.batch, cfg.batch_size)
                     for b in data.eval_batches(cfg.eval.batches)]
 
-  def evaluate(params) -> float:
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-      sums = [eval_step(params, b) for b in eval_batches]
+  writer = MetricsWriter(workdir, cfg.log, cfg.steps, start_step)
+  writer.print(f"{cfg.model.num_params() / 1e6:.1f}M params, recipe {cfg.precision.recipe}, "
+               f"mesh {dict(place.mesh.shape)}, {data.summary()}, "
+               + (f"resumed from step {start_step}" if start_step else "from scratch"))
+  if start_step >= cfg.steps:
+    writer.print(f"{workdir} already finished its {cfg.steps} steps; raise --config.steps to go on")
+  loop = _Loop(cfg, place, steps, eval_batches, checkpointer, writer, start_step)
+  try:
+    return loop.run(state, train_iter)
+  finally:
+    checkpointer.close()
+    writer.close()
+
+
+class _Loop:
+  """The step loop: dispatch step N, read step N-1's metrics, evaluate and save on schedule."""
+
+  def __init__(self, cfg, place, steps, eval_batches, checkpointer, writer, start_step):
+    self.cfg, self.place, self.steps = cfg, place, steps
+    self.eval_batches, self.checkpointer, self.writer = eval_batches, checkpointer, writer
+    self.start_step = start_step
+    self.last_good = start_step if start_step else None
+    self.timer = _Timer()
+    self.tokens_per_step = cfg.batch_size * cfg.seq_len
+    self.flops_per_step = cfg.model.flops_per_token(cfg.seq_len) * self.tokens_per_step
+    self.peak = peak_flops_per_device(cfg.log)
+
+  def evaluate(self, params) -> float:
+    with self.place.context():
+      sums = [self.steps.eval(params, b) for b in self.eval_batches]
     loss_sum = sum(float(s[0]) for s in sums)
     tokens = sum(float(s[1]) for s in sums)
     return loss_sum / max(tokens, 1.0)
 
-  writer = MetricsWriter(workdir, cfg.log, cfg.steps, start_step)
-  writer.print(f"{cfg.model.num_params() / 1e6:.1f}M params, recipe {cfg.precision.recipe}, "
-               f"mesh {dict(mesh.shape)}, {data.summary()}, "
-               + (f"resumed from step {start_step}" if start_step else "from scratch"))
-  tokens_per_step = cfg.batch_size * cfg.seq_len
-  flops_per_step = cfg.model.flops_per_token(cfg.seq_len) * tokens_per_step
-  peak = peak_flops_per_device(cfg.log)
-  last_good = start_step if start_step else None
-  last: dict[str, Any] = {}
-
-  if start_step >= cfg.steps:
-    writer.print(f"{workdir} already finished its {cfg.steps} steps; raise --config.steps to go on")
-  if eval_batches and start_step == 0:
-    last["eval_loss"] = evaluate(state["params"])
-    writer.write(0, {"eval_loss": last["eval_loss"]})
-
-  def check_finite(step: int, metrics: dict[str, float]) -> None:
+  def check_finite(self, step: int, metrics: dict[str, float]) -> None:
     if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-      checkpointer.wait()
-      where = (f"step {last_good} in {checkpointer.directory}" if last_good is not None
-               else "none (no checkpoint was saved)")
+      self.checkpointer.wait()
+      where = (f"step {self.last_good} in {self.checkpointer.directory}"
+               if self.last_good is not None else "none (no checkpoint was saved)")
       raise NonFiniteLossError(
           f"non-finite loss {metrics['loss']} (grad norm {metrics['grad_norm']}) at step "
           f"{step}; the state of that step was not saved. Last good checkpoint: {where}")
 
-  pending = None  # (step, device metrics) of the previous step, read while the next one runs
-  timer = _Timer()
-  log = lambda step, device_metrics: _log_step(
-      writer, step, device_metrics, timer, tokens_per_step, flops_per_step, peak, mesh.size,
-      check_finite)
-  try:
-    for step in range(start_step + 1, cfg.steps + 1):
-      batch = _global_batch(next(train_iter), batch_sharding, cfg.batch_size)
-      with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        if telemetry_step is not None and step % cfg.precision.telemetry_every_steps == 0:
-          state, device_metrics = telemetry_step(state, batch, sinks)
-        else:
-          state, device_metrics = train_step(state, batch)
+  def log(self, step, device_metrics) -> dict[str, float]:
+    return _log_step(self.writer, step, device_metrics, self.timer, self.tokens_per_step,
+                     self.flops_per_step, self.peak, self.place.mesh.size, self.check_finite)
+
+  def dispatch(self, step, state, batch):
+    cfg, steps = self.cfg, self.steps
+    with self.place.context():
+      if steps.telemetry is not None and step % cfg.precision.telemetry_every_steps == 0:
+        return steps.telemetry(state, batch, steps.sinks)
+      return steps.train(state, batch)
+
+  def run(self, state, train_iter) -> dict[str, Any]:
+    cfg = self.cfg
+    last: dict[str, Any] = {}
+    if self.eval_batches and self.start_step == 0:
+      last["eval_loss"] = self.evaluate(state["params"])
+      self.writer.write(0, {"eval_loss": last["eval_loss"]})
+    pending = None  # (step, device metrics) of the previous step, read while the next one runs
+    for step in range(self.start_step + 1, cfg.steps + 1):
+      batch = _global_batch(next(train_iter), self.place.batch, cfg.batch_size)
+      state, device_metrics = self.dispatch(step, state, batch)
       if pending is not None:  # read step N-1 while step N runs
-        last = log(*pending)
+        last = self.log(*pending)
       pending = (step, device_metrics)
-      due_save = checkpointer.should_save(step) or step == cfg.steps
-      due_eval = eval_batches and (step % cfg.eval.every_steps == 0 or step == cfg.steps)
+      due_save = self.checkpointer.should_save(step) or step == cfg.steps
+      due_eval = self.eval_batches and (step % cfg.eval.every_steps == 0 or step == cfg.steps)
       if due_save or due_eval:  # this step's numbers must be known before we keep its state
-        last = log(*pending)
+        last = self.log(*pending)
         pending = None
       if due_save:
-        checkpointer.save(step, state, train_iter)
-        last_good = step
+        self.checkpointer.save(step, state, train_iter)
+        self.last_good = step
       if due_eval:
-        last["eval_loss"] = evaluate(state["params"])
-        writer.write(step, {"eval_loss": last["eval_loss"]})
+        last["eval_loss"] = self.evaluate(state["params"])
+        self.writer.write(step, {"eval_loss": last["eval_loss"]})
       if due_save or due_eval:
-        timer.reset()  # keep evaluation and checkpoint time out of the next step time
+        self.timer.reset()  # keep evaluation and checkpoint time out of the next step time
     if pending is not None:
-      last = log(*pending)
-  finally:
-    checkpointer.close()
-    writer.close()
-  return last
+      last = self.log(*pending)
+    return last
 
 
 class _Timer:
@@ -202,8 +254,7 @@ def _log_step(writer, step, device_metrics, timer, tokens_per_step, flops_per_st
   return metrics
 
 
-def _telemetry_step(cfg, model, optimizer, schedule, shardings, batch_sharding,
-                    metric_sharding, mesh, rules):
+def _telemetry_step(cfg, model, optimizer, schedule, shardings, place):
   """The step variant that also measures FP8 numerics, run every telemetry_every_steps."""
   if not cfg.precision.telemetry_every_steps:
     return None, None
@@ -212,12 +263,12 @@ def _telemetry_step(cfg, model, optimizer, schedule, shardings, batch_sharding,
     sinks = telemetry.init_sinks(model_t, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
   except ValueError:  # no FP8 projection under this recipe: nothing to measure
     return None, None
-  sinks = jax.device_put(sinks, metric_sharding)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  sinks = jax.device_put(sinks, place.replicated)
+  with place.context():
     step = jax.jit(
         make_train_step(model, optimizer, schedule, cfg.grad_accum_steps, telemetry_model=model_t),
-        in_shardings=(shardings, batch_sharding, metric_sharding),
-        out_shardings=(shardings, metric_sharding), donate_argnums=0)
+        in_shardings=(shardings, place.batch, place.replicated),
+        out_shardings=(shardings, place.replicated), donate_argnums=0)
   return step, sinks
 
 
