@@ -365,7 +365,8 @@ def main(argv=None) -> int:
   if args.tiny:
     args.seq_len, args.batch_size, args.aot_batch_size = 128, 4, 8
     os.environ.update(child_env(True))  # before this process imports jax (in-process runs)
-  from infir2_jax.bench import tools as benchtools  # imports jax; run_info(with_device=False) starts no backend
+  # imports jax; run_info(with_device=False) starts no backend
+  from infir2_jax.bench import tools as benchtools
   results = []
   common = {"tiny": args.tiny, "seq_len": args.seq_len, "overrides": args.override,
             "in_process": args.tiny and not args.children}

@@ -197,7 +197,7 @@ def main():
   if args.child:
     label, seq_len = args.child.rsplit(":", 1)
     from infir2_jax.parallel import distributed  # variants after the first reuse the init's compile
-    distributed.default_memory_fraction()  # as `python -m infir2_jax.train` (distributed.initialize)
+    distributed.default_memory_fraction()  # as `python -m infir2_jax.train` does
     distributed.enable_compilation_cache()
     print("RESULT " + json.dumps(run_one(args, label, int(seq_len))), flush=True)
     return

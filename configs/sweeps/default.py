@@ -1,9 +1,10 @@
 """The default precision ablation: 5 recipes x 3 seeds of the embedded small model, on a CPU.
 
-  python -m infir2_jax.ablation.sweep --config=configs/sweeps/default.py --workdir=runs/default_sweep \
-      --parallel=2
+  python -m infir2_jax.ablation.sweep --config=configs/sweeps/default.py \
+      --workdir=runs/default_sweep --parallel=2
   python -m infir2_jax.ablation.report runs/default_sweep
-  python -m infir2_jax.ablation.sweep --config=configs/sweeps/default.py:tiny --workdir=/tmp/s  # minutes
+  python -m infir2_jax.ablation.sweep --config=configs/sweeps/default.py:tiny \
+      --workdir=/tmp/s  # minutes
 
 Sized to finish in <= 30 minutes on a 2-core CPU (measured: see reports/default_sweep/): the
 embedded default model (5M params, 4 layers, width 256; configs/default.py) unchanged, but
