@@ -4,6 +4,7 @@ The Mosaic GPU interpreter runs the real kernel bodies on CPU; lowering for an
 abstract H100 catches shared-memory overflow and unsupported primitives (not
 ptxas: registers and spills are only seen on the GPU, see benchmarks/).
 """
+import ast
 import importlib
 import json
 import os
@@ -14,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from infir2_jax.precision import formats
 from infir2_jax.precision import kernels
 from infir2_jax.precision.kernels import gemm
 from infir2_jax.precision.kernels import quantize
@@ -269,11 +271,59 @@ def test_quantize_matches_precision_module():
     assert _bit_equal(bq, pb_q) and _bit_equal(bs, pb_s)
 
 
+def _round_up_pow2_uint32(s):
+  """The former XLA-side rounding (uint32 bits, NaN by isnan), as an independent reference."""
+  bits = s.view(np.uint32)
+  exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).astype(np.uint32)
+  return np.where(np.isnan(s), s, (exponent << 23).view(np.float32))
+
+
+def test_scale_rounding_is_the_uint32_rounding_on_every_normal_inf_and_nan():
+  """formats.round_up_pow2 (int32 ops, the ones that lower in Mosaic GPU) equals the uint32
+  formula bit for bit: every mantissa of one binade, then every exponent with edge mantissas,
+  +inf and NaNs with payloads and either sign."""
+  binade = (np.arange(1 << 23, dtype=np.uint32) | np.uint32(127 << 23)).view(np.float32)
+  exponents = np.arange(1, 255, dtype=np.uint32)[:, None] << 23
+  mantissas = np.array([0, 1, 2, 0x400000, 0x7FFFFE, 0x7FFFFF], np.uint32)[None, :]
+  edges = (exponents | mantissas).ravel().view(np.float32)
+  special = np.array([0x7F800000, 0x7FC00000, 0x7F800001, 0xFFC00001, 0x7FFFFFFF],
+                     np.uint32).view(np.float32)
+  for s in (binade, edges, special):
+    got = np.asarray(jax.jit(formats.round_up_pow2)(jnp.asarray(s)))
+    np.testing.assert_array_equal(got.view(np.uint32), _round_up_pow2_uint32(s).view(np.uint32))
+
+
+def test_kernels_share_the_format_rules_of_precision_formats():
+  """One owner: the kernels' quantizer calls precision.formats' rules, and the kernels import
+  nothing of the package but precision.formats and their own modules."""
+  assert quantize.scale_from_amax is formats.scale_from_amax
+  assert quantize.abs_bits is formats.abs_bits
+  assert not hasattr(quantize, "FORMATS") and not hasattr(quantize, "SCALE_FORMATS")
+  pq = importlib.import_module("infir2_jax.precision.quantize")
+  assert pq.abs_bits is formats.abs_bits
+  folder = os.path.dirname(kernels.__file__)
+  for name in sorted(os.listdir(folder)):
+    if not name.endswith(".py"):
+      continue
+    with open(os.path.join(folder, name)) as f:
+      tree = ast.parse(f.read())
+    imported = [n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in (n.names if isinstance(n, ast.Import) else [n])]
+    ours = [m for m in imported if m and m.startswith("infir2_jax")]
+    for module in ours:
+      assert module in ("infir2_jax.precision", "infir2_jax.precision.formats") or \
+          module.startswith("infir2_jax.precision.kernels"), (name, module)
+    for node in ast.walk(tree):  # "from infir2_jax.precision import X": X must be formats
+      if isinstance(node, ast.ImportFrom) and node.module == "infir2_jax.precision":
+        assert [a.name for a in node.names] == ["formats"], (name, ast.dump(node))
+
+
 def test_quantize_rejects_bad_input():
   x = jnp.ones((128, 128), jnp.bfloat16)
-  with pytest.raises(ValueError, match="fmt"):
+  with pytest.raises(ValueError, match="unknown FP8 format 'e3m4'"):
     kernels.quantize_tiles(x, fmt="e3m4")
-  with pytest.raises(ValueError, match="scale_format"):
+  with pytest.raises(ValueError, match="unknown scale format 'e8m0'"):
     kernels.quantize_blocks(x, scale_format="e8m0")
   with pytest.raises(ValueError, match="bfloat16"):
     kernels.quantize_tiles(x.astype(jnp.float32))
