@@ -38,7 +38,6 @@ import numpy as np
 
 from infir2_jax.precision import kernels
 from infir2_jax.bench import tools as benchtools
-from infir2_jax.precision.kernels import gemm
 
 import cublas_blockwise  # benchmarks/, next to this script
 
@@ -52,13 +51,9 @@ MODELS = {  # linear name -> (in, out); duplicates (k=v, gate=up, q=o) measured 
            "down_proj": (18944, 3584)},
 }
 SWEEP = [
-    gemm.TuningConfig(max_concurrent_steps=5),
-    gemm.TuningConfig(max_concurrent_steps=6, epi_n=64),
-    gemm.TuningConfig(promotion="paired", max_concurrent_steps=3),
-    gemm.TuningConfig(promotion="paired", max_concurrent_steps=3, cluster="n"),
-    gemm.TuningConfig(promotion="paired", max_concurrent_steps=3, cluster="m"),
-    gemm.TuningConfig(max_concurrent_steps=5, cluster="n"),
-    gemm.TuningConfig(tile_n=192, max_concurrent_steps=4),
+    kernels.TuningConfig(max_concurrent_steps=5),
+    kernels.TuningConfig(max_concurrent_steps=6, epi_n=64),
+    kernels.TuningConfig(tile_n=192, max_concurrent_steps=4),
 ]
 NT = (((1,), (1,)), ((), ()))
 
@@ -146,7 +141,7 @@ def rotating_ms(fn, arg_sets, iters):
 def parse_variant(text):
   """'cross_tile=False;epi_n=64' -> {'cross_tile': False, 'epi_n': 64} (TuningConfig fields);
   'k_proj.wgrad@split_k=4' times the override on the shapes whose label ends so only."""
-  fields = {f.name for f in dataclasses.fields(gemm.TuningConfig)}
+  fields = {f.name for f in dataclasses.fields(kernels.TuningConfig)}
   out = {}
   if "@" in text:
     out["only"], text = text.split("@", 1)
@@ -162,7 +157,7 @@ def config_for(cfg, m, n, k, kind):
   """None (the library's default_config), a TuningConfig, or overrides of default_config."""
   if isinstance(cfg, dict):
     overrides = {key: v for key, v in cfg.items() if key != "only"}
-    return dataclasses.replace(gemm.default_config(m, n, k, b_scale=kind), **overrides)
+    return dataclasses.replace(kernels.default_config(m, n, k, b_scale=kind), **overrides)
   return cfg
 
 
@@ -341,7 +336,7 @@ def main(argv):
     with open(args.out, "w") as f:
       json.dump(result, f, indent=1)
 
-  configs = [None]  # the library's own choice (gemm.default_config)
+  configs = [None]  # the library's own choice (kernels.default_config)
   configs += [parse_variant(v) for v in args.variants.split(",") if v]
   if args.sweep:
     row = bench_shape("sweep8192", 8192, 8192, 8192, "block", SWEEP, args.iters, 0,
@@ -352,7 +347,7 @@ def main(argv):
     configs = [c for _, c in sorted(timed, key=lambda t: t[0])[:args.top]] + configs
     print("sweep:", {str(c): round(v["tflops"], 1) for c, v in
                      zip(SWEEP, row["ours_by_config"].values()) if "tflops" in v}, flush=True)
-  result["configs_per_shape"] = [config_label(c) for c in configs]  # "None": gemm.default_config
+  result["configs_per_shape"] = [config_label(c) for c in configs]  # "None": default_config
   shapes_by_model = {m: gemm_shapes(m) for m in args.models.split(",") if m}
   todo = [("square8192", 8192, 8192, 8192, "block", ["square"])]
   for shapes in shapes_by_model.values():

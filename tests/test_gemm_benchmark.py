@@ -8,7 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import gemm as bench  # noqa: E402  (benchmarks/gemm.py)
-from infir2_jax.precision.kernels import gemm  # noqa: E402
+from infir2_jax.precision.kernels import tuning  # noqa: E402
 
 
 def test_variants_override_the_default_of_each_shape_and_kind():
@@ -39,7 +39,7 @@ def test_unknown_variant_field_is_named():
 def test_library_default_wgrad_rule_on_the_benchmarked_shapes():
   """The tile widths gemm.py's 'None' column ran in session 8 (gemm_h200_s8_7b_cublas.json)."""
   shapes = {s[0]: s for s in bench.gemm_shapes("7b")}
-  widths = {label: gemm.default_config(m, n, k, b_scale=kind).tile_n
+  widths = {label: tuning.default_config(m, n, k, b_scale=kind).tile_n
             for label, (_, m, n, k, kind, _names) in shapes.items()}
   assert widths["7b.gate_proj.wgrad"] == 192 and widths["7b.down_proj.wgrad"] == 192
   assert widths["7b.q_proj.wgrad"] == 128 and widths["7b.k_proj.wgrad"] == 128
@@ -51,7 +51,7 @@ def test_short_k_default_stages_the_output_in_one_chunk():
   which still leaves shared memory for a pipeline as deep as the K blocks."""
   shapes = {s[0]: s for s in bench.gemm_shapes("1p5b") + bench.gemm_shapes("7b")}
   for label, (_, m, n, k, kind, _names) in shapes.items():
-    cfg = gemm.default_config(m, n, k, b_scale=kind)
+    cfg = tuning.default_config(m, n, k, b_scale=kind)
     assert (cfg.epi_n == 128) == (k <= 512), (label, cfg)
-  fitted = gemm.fit_stages(gemm.default_config(16384, 1536, 256), "bfloat16")
+  fitted = tuning.fit_stages(tuning.default_config(16384, 1536, 256), "bfloat16")
   assert fitted.epi_n == 128 and fitted.max_concurrent_steps >= 4

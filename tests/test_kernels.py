@@ -4,6 +4,8 @@ The Mosaic GPU interpreter runs the real kernel bodies on CPU; lowering for an
 abstract H100 catches shared-memory overflow and unsupported primitives (not
 ptxas: registers and spills are only seen on the GPU, see benchmarks/).
 """
+import ast
+import dataclasses
 import importlib
 import json
 import os
@@ -14,9 +16,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from infir2_jax.precision import formats
 from infir2_jax.precision import kernels
 from infir2_jax.precision.kernels import gemm
+from infir2_jax.precision.kernels import gemm_body
 from infir2_jax.precision.kernels import quantize
+from infir2_jax.precision.kernels import tuning
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -59,30 +64,30 @@ def test_reference_matches_float64(kind):
 
 
 @pytest.mark.parametrize("m,n,k,kind,config", [
-    (144, 200, 392, "block", gemm.TuningConfig(max_concurrent_steps=2)),
-    (136, 72, 264, "row", gemm.TuningConfig(max_concurrent_steps=2, promotion="carried")),
-    (264, 136, 264, "block", gemm.TuningConfig(max_concurrent_steps=3, cluster="m")),
-    (72, 264, 136, "row", gemm.TuningConfig(max_concurrent_steps=2, cluster="n", tile_n=192)),
-    (136, 72, 648, "row", gemm.TuningConfig(max_concurrent_steps=2, split_k=3)),
-    (136, 200, 264, "block", gemm.TuningConfig(max_concurrent_steps=2, epi_n=64)),
+    (144, 200, 392, "block", tuning.TuningConfig(max_concurrent_steps=2)),
+    (136, 72, 264, "row", tuning.TuningConfig(max_concurrent_steps=2)),
+    (264, 136, 264, "block", tuning.TuningConfig(max_concurrent_steps=3)),
+    (72, 264, 136, "row", tuning.TuningConfig(max_concurrent_steps=2, tile_n=192)),
+    (136, 72, 648, "row", tuning.TuningConfig(max_concurrent_steps=2, split_k=3)),
+    (136, 200, 264, "block", tuning.TuningConfig(max_concurrent_steps=2, epi_n=64)),
     # Three compute warpgroups (192-row CTA tiles; M tails inside the last one), and one.
-    (200, 200, 264, "block", gemm.TuningConfig(max_concurrent_steps=2, compute_wgs=3)),
-    (1000, 72, 392, "row", gemm.TuningConfig(max_concurrent_steps=4, compute_wgs=3,
+    (200, 200, 264, "block", tuning.TuningConfig(max_concurrent_steps=2, compute_wgs=3)),
+    (1000, 72, 392, "row", tuning.TuningConfig(max_concurrent_steps=4, compute_wgs=3,
                                              cross_tile=True)),
-    (136, 72, 648, "row", gemm.TuningConfig(max_concurrent_steps=2, compute_wgs=3, split_k=3)),
-    (136, 200, 264, "block", gemm.TuningConfig(max_concurrent_steps=2, compute_wgs=1)),
-    (1000, 264, 392, "block", gemm.TuningConfig(max_concurrent_steps=2, compute_wgs=3,
+    (136, 72, 648, "row", tuning.TuningConfig(max_concurrent_steps=2, compute_wgs=3, split_k=3)),
+    (136, 200, 264, "block", tuning.TuningConfig(max_concurrent_steps=2, compute_wgs=1)),
+    (1000, 264, 392, "block", tuning.TuningConfig(max_concurrent_steps=2, compute_wgs=3,
                                                 cross_tile=False)),  # 18 tiles on 4 CTAs
     # One pipeline across each CTA's tiles (the interpreter has 4 CTAs): 2, 4 and 6 K
     # blocks per tile, 3 or 4 tiles per CTA, tails on every axis.
-    (520, 264, 256, "block", gemm.TuningConfig(max_concurrent_steps=4, cross_tile=True)),
-    (1000, 200, 392, "row", gemm.TuningConfig(max_concurrent_steps=6, cross_tile=True)),
-    (520, 264, 768, "block", gemm.TuningConfig(max_concurrent_steps=2, cross_tile=True,
+    (520, 264, 256, "block", tuning.TuningConfig(max_concurrent_steps=4, cross_tile=True)),
+    (1000, 200, 392, "row", tuning.TuningConfig(max_concurrent_steps=6, cross_tile=True)),
+    (520, 264, 768, "block", tuning.TuningConfig(max_concurrent_steps=2, cross_tile=True,
                                                epi_n=64)),
     # A split that does not divide the 7 K blocks: the last split's second block lies past K.
-    (136, 72, 840, "row", gemm.TuningConfig(max_concurrent_steps=2, split_k=4)),
-    # Two output staging buffers per warpgroup, alternating across chunks and tiles.
-    (520, 200, 264, "block", gemm.TuningConfig(max_concurrent_steps=2, epi_n=64, epi_buffers=2)),
+    (136, 72, 840, "row", tuning.TuningConfig(max_concurrent_steps=2, split_k=4)),
+    # One staging buffer per warpgroup, reused by every chunk of every tile of a CTA.
+    (520, 200, 264, "block", tuning.TuningConfig(max_concurrent_steps=2, epi_n=64)),
 ])
 def test_gemm_interpret_with_tails(m, n, k, kind, config):
   args = _operands(m, n, k, kind, seed=m + n)
@@ -90,34 +95,6 @@ def test_gemm_interpret_with_tails(m, n, k, kind, config):
   out = kernels.block_scaled_matmul(*args, out_dtype=jnp.float32, config=config, interpret=True)
   assert out.shape == (m, n) and out.dtype == jnp.float32
   assert _rel_err(out, ref) < 1e-6
-
-
-@pytest.mark.parametrize("m,n,k,kind,config", [
-    # 4 splits of 7 K blocks (the last overhangs K), tails on M and N, 128-wide tiles.
-    (136, 72, 840, "row", gemm.TuningConfig(max_concurrent_steps=2, split_k=4,
-                                            split_reduce="tma_add")),
-    # 3 splits over 4 CTAs of several tiles each, 128x128 weight blocks, narrow epilogue.
-    (264, 200, 648, "block", gemm.TuningConfig(max_concurrent_steps=2, split_k=3, epi_n=64,
-                                               split_reduce="tma_add")),
-])
-@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-def test_gemm_interpret_tma_add_split_k(m, n, k, kind, config, out_dtype):
-  """split_reduce="tma_add": every split adds into one zeroed output (TMA reduce-add,
-  emulated in the interpreter by tests/tma_add_interpreter.py)."""
-  from tests import tma_add_interpreter
-  args = _operands(m, n, k, kind, seed=m + n)
-  with tma_add_interpreter.enabled():
-    out = kernels.block_scaled_matmul(*args, out_dtype=out_dtype, config=config, interpret=True)
-  assert out.shape == (m, n) and out.dtype == out_dtype
-  assert _rel_err(out, _numpy_f64(*args)) < (1e-6 if out_dtype == jnp.float32 else 1e-2)
-
-
-def test_interpreter_lacks_tma_add_without_the_test_shim():
-  """Guards the shim: when JAX's interpreter learns reduce-add, drop tests/tma_add_interpreter."""
-  args = _operands(136, 72, 384, "row")
-  config = gemm.TuningConfig(max_concurrent_steps=2, split_k=3, split_reduce="tma_add")
-  with pytest.raises(Exception, match="reduction_op not supported"):
-    kernels.block_scaled_matmul(*args, out_dtype=jnp.float32, config=config, interpret=True)
 
 
 @pytest.mark.parametrize("kind", ["block", "row"])
@@ -132,7 +109,7 @@ def test_kernel_scales_layout_and_entry_point(kind):
   np.testing.assert_array_equal(np.asarray(scales.sa_KbxM), np.asarray(sa).T)
   rows = np.asarray(sb) if kind == "row" else np.asarray(sb)[np.arange(n) // 128]
   np.testing.assert_array_equal(np.asarray(scales.sb_KbxN), rows.T)
-  config = gemm.TuningConfig(max_concurrent_steps=2)
+  config = tuning.TuningConfig(max_concurrent_steps=2)
   out = kernels.matmul_kernel_scales(a, b, scales, out_dtype=jnp.float32, config=config,
                                      interpret=True)
   want = kernels.block_scaled_matmul(*args, out_dtype=jnp.float32, config=config,
@@ -176,9 +153,9 @@ def test_gemm_rejects_bad_operands():
   with pytest.raises(ValueError, match="out_dtype"):
     kernels.block_scaled_matmul(a, sa, b, sb, out_dtype=jnp.float16)
   with pytest.raises(ValueError, match="tile_n"):
-    gemm.TuningConfig(tile_n=100)
-  with pytest.raises(ValueError, match="promotion"):
-    gemm.TuningConfig(promotion="eager")
+    tuning.TuningConfig(tile_n=100)
+  with pytest.raises(ValueError, match="compute_wgs"):
+    tuning.TuningConfig(compute_wgs=4)
 
 
 def test_supports_and_available_on_cpu():
@@ -269,11 +246,59 @@ def test_quantize_matches_precision_module():
     assert _bit_equal(bq, pb_q) and _bit_equal(bs, pb_s)
 
 
+def _round_up_pow2_uint32(s):
+  """The former XLA-side rounding (uint32 bits, NaN by isnan), as an independent reference."""
+  bits = s.view(np.uint32)
+  exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).astype(np.uint32)
+  return np.where(np.isnan(s), s, (exponent << 23).view(np.float32))
+
+
+def test_scale_rounding_is_the_uint32_rounding_on_every_normal_inf_and_nan():
+  """formats.round_up_pow2 (int32 ops, the ones that lower in Mosaic GPU) equals the uint32
+  formula bit for bit: every mantissa of one binade, then every exponent with edge mantissas,
+  +inf and NaNs with payloads and either sign."""
+  binade = (np.arange(1 << 23, dtype=np.uint32) | np.uint32(127 << 23)).view(np.float32)
+  exponents = np.arange(1, 255, dtype=np.uint32)[:, None] << 23
+  mantissas = np.array([0, 1, 2, 0x400000, 0x7FFFFE, 0x7FFFFF], np.uint32)[None, :]
+  edges = (exponents | mantissas).ravel().view(np.float32)
+  special = np.array([0x7F800000, 0x7FC00000, 0x7F800001, 0xFFC00001, 0x7FFFFFFF],
+                     np.uint32).view(np.float32)
+  for s in (binade, edges, special):
+    got = np.asarray(jax.jit(formats.round_up_pow2)(jnp.asarray(s)))
+    np.testing.assert_array_equal(got.view(np.uint32), _round_up_pow2_uint32(s).view(np.uint32))
+
+
+def test_kernels_share_the_format_rules_of_precision_formats():
+  """One owner: the kernels' quantizer calls precision.formats' rules, and the kernels import
+  nothing of the package but precision.formats and their own modules."""
+  assert quantize.scale_from_amax is formats.scale_from_amax
+  assert quantize.abs_bits is formats.abs_bits
+  assert not hasattr(quantize, "FORMATS") and not hasattr(quantize, "SCALE_FORMATS")
+  pq = importlib.import_module("infir2_jax.precision.quantize")
+  assert pq.abs_bits is formats.abs_bits
+  folder = os.path.dirname(kernels.__file__)
+  for name in sorted(os.listdir(folder)):
+    if not name.endswith(".py"):
+      continue
+    with open(os.path.join(folder, name)) as f:
+      tree = ast.parse(f.read())
+    imported = [n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in (n.names if isinstance(n, ast.Import) else [n])]
+    ours = [m for m in imported if m and m.startswith("infir2_jax")]
+    for module in ours:
+      assert module in ("infir2_jax.precision", "infir2_jax.precision.formats") or \
+          module.startswith("infir2_jax.precision.kernels"), (name, module)
+    for node in ast.walk(tree):  # "from infir2_jax.precision import X": X must be formats
+      if isinstance(node, ast.ImportFrom) and node.module == "infir2_jax.precision":
+        assert [a.name for a in node.names] == ["formats"], (name, ast.dump(node))
+
+
 def test_quantize_rejects_bad_input():
   x = jnp.ones((128, 128), jnp.bfloat16)
-  with pytest.raises(ValueError, match="fmt"):
+  with pytest.raises(ValueError, match="unknown FP8 format 'e3m4'"):
     kernels.quantize_tiles(x, fmt="e3m4")
-  with pytest.raises(ValueError, match="scale_format"):
+  with pytest.raises(ValueError, match="unknown scale format 'e8m0'"):
     kernels.quantize_blocks(x, scale_format="e8m0")
   with pytest.raises(ValueError, match="bfloat16"):
     kernels.quantize_tiles(x.astype(jnp.float32))
@@ -299,13 +324,11 @@ def _gemm_specs(m, n, k, kind):
 
 
 LOWERING_CONFIGS = [
-    gemm.DEFAULT_CONFIG,
-    gemm.TuningConfig(promotion="carried", max_concurrent_steps=6, epi_n=64),
-    gemm.TuningConfig(promotion="paired", cluster="m"),
-    gemm.TuningConfig(cluster="n", max_concurrent_steps=5),
-    gemm.TuningConfig(tile_n=192, max_concurrent_steps=4),
-    gemm.TuningConfig(max_concurrent_steps=6, epi_n=64, epi_buffers=2),
-    gemm.TuningConfig(max_concurrent_steps=6, epi_n=64, split_reduce="tma_add"),
+    tuning.DEFAULT_CONFIG,
+    tuning.TuningConfig(max_concurrent_steps=5),
+    tuning.TuningConfig(tile_n=192, max_concurrent_steps=4),
+    tuning.TuningConfig(compute_wgs=3, max_concurrent_steps=6, epi_n=64),
+    tuning.TuningConfig(compute_wgs=1, max_concurrent_steps=6, epi_n=128),
 ]
 
 
@@ -335,7 +358,7 @@ def _xla_ops(text):
 def test_kernel_layout_scales_need_no_xla_ops_on_aligned_shapes():
   """With scales in the kernel's layout an aligned GEMM lowers to the custom call alone;
   block_scaled_matmul adds the layout ops (a transpose, and a broadcast for 128x128 blocks)
-  that cost 1-2 us each on the H200 (benchmarks/NOTES_kernels.md, session 9)."""
+  that cost 1-2 us each on the H200 (benchmarks/NOTES_kernels.md)."""
   m, n, k = 16384, 1536, 256
   specs = _gemm_specs(m, n, k, "block")
   kb = k // 128
@@ -352,45 +375,47 @@ def test_kernel_layout_scales_need_no_xla_ops_on_aligned_shapes():
 def test_cross_tile_pipeline_rule():
   """Auto (None) carries the pipeline across tiles on short K, or where the depth does not
   shrink; forcing it where it cannot work names the reason."""
-  resolve = gemm.resolve_cross_tile
-  k_dgrad = resolve(gemm.DEFAULT_CONFIG, work_items=128 * 12, ctas=132, k_steps=2)
+  resolve = tuning.resolve_cross_tile
+  k_dgrad = resolve(tuning.DEFAULT_CONFIG, work_items=128 * 12, ctas=132, k_steps=2)
   assert k_dgrad.cross_tile and k_dgrad.max_concurrent_steps == 2
-  fprop = resolve(gemm.DEFAULT_CONFIG, work_items=128 * 70, ctas=132, k_steps=12)
+  fprop = resolve(tuning.DEFAULT_CONFIG, work_items=128 * 70, ctas=132, k_steps=12)
   assert fprop.cross_tile and fprop.max_concurrent_steps == 6
   # 8192^3: 64 K blocks; carrying it would cut the depth from 6 to 4 stages.
-  square = resolve(gemm.DEFAULT_CONFIG, work_items=64 * 64, ctas=132, k_steps=64)
+  square = resolve(tuning.DEFAULT_CONFIG, work_items=64 * 64, ctas=132, k_steps=64)
   assert not square.cross_tile and square.max_concurrent_steps == 6
-  few_tiles = resolve(gemm.DEFAULT_CONFIG, work_items=200, ctas=132, k_steps=12)
+  few_tiles = resolve(tuning.DEFAULT_CONFIG, work_items=200, ctas=132, k_steps=12)
   assert not few_tiles.cross_tile
-  assert not resolve(gemm.TuningConfig(promotion="paired"), 5000, 132, 12).cross_tile
-  assert not resolve(gemm.DEFAULT_CONFIG, 5000, 132, 1).cross_tile  # K = 128
-  off = resolve(gemm.TuningConfig(cross_tile=False), 5000, 132, 12)
+  assert not resolve(tuning.DEFAULT_CONFIG, 5000, 132, 1).cross_tile  # K = 128
+  off = resolve(tuning.TuningConfig(cross_tile=False), 5000, 132, 12)
   assert not off.cross_tile and off.max_concurrent_steps == 4
   with pytest.raises(ValueError, match="2 tiles per CTA"):
-    resolve(gemm.TuningConfig(cross_tile=True), work_items=200, ctas=132, k_steps=12)
+    resolve(tuning.TuningConfig(cross_tile=True), work_items=200, ctas=132, k_steps=12)
 
 
 def test_split_k_rule():
   """Explicit splits need not divide the K blocks (the last one overhangs K), but none may be
   empty; the cost model picks dividing splits only (a ragged one measured slower)."""
-  assert gemm.split_k_blocks(128, 5) == 26  # 4 x 26 + 24
-  assert gemm.split_k_blocks(7, 4) == 2
+  assert tuning.split_k_blocks(128, 5) == 26  # 4 x 26 + 24
+  assert tuning.split_k_blocks(7, 4) == 2
   with pytest.raises(ValueError, match="last split empty"):
-    gemm.split_k_blocks(6, 4)  # 2 blocks per split: the 4th gets none
-  kv_wgrad = gemm.choose_split_k(1536, 256, 16384, gemm.DEFAULT_CONFIG, num_sms=132)
+    tuning.split_k_blocks(6, 4)  # 2 blocks per split: the 4th gets none
+  kv_wgrad = tuning.choose_split_k(1536, 256, 16384, tuning.DEFAULT_CONFIG, num_sms=132)
   assert kv_wgrad == 4  # 96 work items of 32 K blocks: one round on 132 SMs
-  assert gemm.choose_split_k(8192, 8192, 8192, gemm.DEFAULT_CONFIG, num_sms=132) == 1
+  assert tuning.choose_split_k(8192, 8192, 8192, tuning.DEFAULT_CONFIG, num_sms=132) == 1
 
 
-def test_epi_buffers_need_even_chunks_and_cost_shared_memory():
-  whole = gemm.fit_stages(gemm.TuningConfig(tile_n=192, max_concurrent_steps=2), jnp.bfloat16)
-  assert whole.epi_n == 192 and gemm.check_epi_buffers(whole).epi_buffers == 1
-  with pytest.raises(ValueError, match="even number of epilogue chunks"):
-    gemm.check_epi_buffers(gemm.dataclasses.replace(whole, epi_buffers=2))
-  single = gemm.fit_stages(gemm.DEFAULT_CONFIG, jnp.bfloat16)
-  double = gemm.fit_stages(gemm.dataclasses.replace(gemm.DEFAULT_CONFIG, epi_buffers=2),
-                           jnp.bfloat16)
-  assert (single.max_concurrent_steps, double.max_concurrent_steps) == (6, 5)
+def test_fit_stages_widens_the_epilogue_where_it_fits_and_caps_the_depth():
+  whole = tuning.fit_stages(tuning.TuningConfig(tile_n=192, max_concurrent_steps=2),
+                            jnp.bfloat16)
+  assert (whole.epi_n, whole.max_concurrent_steps) == (192, 2)
+  assert tuning.fit_stages(tuning.DEFAULT_CONFIG, jnp.bfloat16).max_concurrent_steps == 6
+  # Three compute warpgroups: 192-row A tiles leave room for 4 stages of 6.
+  three = dataclasses.replace(tuning.DEFAULT_CONFIG, compute_wgs=3)
+  assert tuning.fit_stages(three, jnp.bfloat16).max_concurrent_steps == 4
+  # Without an epi_n, a tile too wide for a deep pipeline gets a narrower epilogue.
+  narrowed = tuning.fit_stages(tuning.TuningConfig(tile_n=256, max_concurrent_steps=5),
+                               jnp.float32)
+  assert (narrowed.epi_n, narrowed.max_concurrent_steps) == (32, 4)
 
 
 def test_gemm_cross_tile_lowers_for_hopper(monkeypatch):
@@ -417,12 +442,12 @@ def test_gemm_pads_arrays_smaller_than_one_tile():
 
 
 def test_gemm_stage_cap_is_needed_and_sufficient(monkeypatch):
-  too_deep = gemm.TuningConfig(tile_n=256, max_concurrent_steps=8)
-  capped = gemm.fit_stages(too_deep, jnp.bfloat16)
+  too_deep = tuning.TuningConfig(tile_n=256, max_concurrent_steps=8)
+  capped = tuning.fit_stages(too_deep, jnp.bfloat16)
   assert 2 <= capped.max_concurrent_steps < 8
   specs = _gemm_specs(1024, 1024, 1024, "block")
   _lower_on_h100(lambda *a: gemm.block_scaled_matmul(*a, config=too_deep), *specs)
-  one_more = gemm.dataclasses.replace(capped, max_concurrent_steps=capped.max_concurrent_steps + 1)
+  one_more = dataclasses.replace(capped, max_concurrent_steps=capped.max_concurrent_steps + 1)
   monkeypatch.setattr(gemm, "fit_stages", lambda config, out_dtype: config)
   with pytest.raises(ValueError, match="shared memory"):
     _lower_on_h100(lambda *a: gemm.block_scaled_matmul(*a, config=one_more), *specs)
@@ -450,7 +475,7 @@ def test_default_config_picks_the_faster_measured_tile_width():
       if len(by_width) < 2:
         continue
       faster = max(by_width, key=by_width.get)
-      picked = gemm.default_config(row["M"], row["N"], row["K"], b_scale=row["b_scale"]).tile_n
+      picked = tuning.default_config(row["M"], row["N"], row["K"], b_scale=row["b_scale"]).tile_n
       assert picked == faster, (name, row["label"], by_width, picked)
       checked += 1
   assert checked >= 23  # 16 shapes of run 1, 7 of session 8 (3584x18944x16384 among them)
@@ -468,7 +493,7 @@ def test_default_config_picks_the_faster_measured_warpgroup_count():
     with open(os.path.join(results, name)) as f:
       rows = json.load(f)["rows"]
     for row in rows:
-      picked = gemm.default_config(row["M"], row["N"], row["K"], b_scale=row["b_scale"])
+      picked = tuning.default_config(row["M"], row["N"], row["K"], b_scale=row["b_scale"])
       if picked.tile_n != 128:
         continue  # 192-wide wgrad tiles: three warpgroups of them do not fit in registers
       timed = {c: t["tflops"] for c, t in row["ours_by_config"].items() if "tflops" in t}
@@ -489,8 +514,9 @@ def test_gemm_kernel_is_traced_once_per_signature(monkeypatch):
   """Every layer calls the same GEMM shapes: the kernel body is traced (and its Mosaic module
   built) once per signature, not at every call (168 calls took 49 s to lower before)."""
   traces = []
-  body = gemm._kernel_body
-  monkeypatch.setattr(gemm, "_kernel_body", lambda *a, **kw: (traces.append(1), body(*a, **kw))[1])
+  body = gemm_body.kernel_body
+  monkeypatch.setattr(gemm_body, "kernel_body",
+                      lambda *a, **kw: (traces.append(1), body(*a, **kw))[1])
   gemm._gemm_kernel.cache_clear()  # built again with the counting body, dropped after
   try:
     def six_calls(a, sa, b, sb):

@@ -11,21 +11,20 @@ import pytest
 
 from infir2_jax.precision import kernels
 from infir2_jax.precision.kernels import gemm
+from infir2_jax.precision.kernels import tuning
 from tests import test_kernels as cpu
 
 pytestmark = pytest.mark.gpu
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 CONFIGS = [
-    gemm.DEFAULT_CONFIG,
-    gemm.TuningConfig(promotion="carried"),
-    gemm.TuningConfig(promotion="paired"),
-    gemm.TuningConfig(promotion="paired", cluster="n", split_k=2),
-    gemm.TuningConfig(cluster="m", max_concurrent_steps=6, epi_n=64),
-    gemm.TuningConfig(tile_n=192, max_concurrent_steps=4, grid_minor_dim="m"),
-    gemm.TuningConfig(compute_wgs=3, max_concurrent_steps=4, epi_n=64),
-    gemm.TuningConfig(compute_wgs=3, max_concurrent_steps=4, epi_n=128, split_k=2),
-    gemm.TuningConfig(compute_wgs=1, max_concurrent_steps=6),
+    tuning.DEFAULT_CONFIG,
+    tuning.TuningConfig(split_k=2),
+    tuning.TuningConfig(max_concurrent_steps=5, grid_tile_width=16),
+    tuning.TuningConfig(tile_n=192, max_concurrent_steps=4, grid_minor_dim="m"),
+    tuning.TuningConfig(compute_wgs=3, max_concurrent_steps=4, epi_n=64),
+    tuning.TuningConfig(compute_wgs=3, max_concurrent_steps=4, epi_n=128, split_k=2),
+    tuning.TuningConfig(compute_wgs=1, max_concurrent_steps=6),
 ]
 # Hopper's FP8 wgmma keeps a reduced-precision sum inside a 128-wide K block (DeepSeek-V3
 # reports ~14 bits), so an f32 output is ~1e-4 off the float64 reference (measured 1.3e-4
@@ -60,7 +59,7 @@ def test_gemm_cross_tile_matches_float64_and_the_per_tile_pipeline(m, n, k, kind
   ref = cpu._numpy_f64(*args)
   outs = {}
   for carried in (True, False):
-    cfg = gemm.TuningConfig(max_concurrent_steps=6, epi_n=64, cross_tile=carried)
+    cfg = tuning.TuningConfig(max_concurrent_steps=6, epi_n=64, cross_tile=carried)
     f = jax.jit(lambda *a, cfg=cfg: kernels.block_scaled_matmul(*a, out_dtype=jnp.float32,
                                                                  config=cfg))
     outs[carried] = f(*args)
@@ -79,41 +78,13 @@ def test_gemm_ragged_split_k_matches_float64_and_even_splits(m, n, k, kind, spli
   ref = cpu._numpy_f64(*args)
   outs = []
   for s in (split_k, 2):
-    cfg = gemm.TuningConfig(max_concurrent_steps=4, epi_n=64, split_k=s)
+    cfg = tuning.TuningConfig(max_concurrent_steps=4, epi_n=64, split_k=s)
     out = jax.jit(lambda *a, cfg=cfg: kernels.block_scaled_matmul(*a, out_dtype=jnp.float32,
                                                                   config=cfg))(*args)
     assert not bool(jnp.any(jnp.isnan(out)))
     assert cpu._rel_err(out, ref) < F32_TOL
     outs.append(out)
   assert cpu._rel_err(outs[0], np.asarray(outs[1], np.float64)) < 1e-6
-
-
-@pytest.mark.parametrize("m,n,k,kind,split_k", [(1536, 256, 16384, "row", 5),
-                                                (1536, 1536, 16384, "row", 11),
-                                                (520, 264, 1000, "block", 3)])
-def test_gemm_tma_add_split_k_matches_float64_and_xla_summed_splits(m, n, k, kind, split_k):
-  """Splits added into one zeroed output by TMA reduce-add: the sums of the XLA-summed
-  partials to f32 rounding of the addition order, in both output dtypes, and a zero-filled
-  output each call (a second call would otherwise double the result)."""
-  args = cpu._operands(m, n, k, kind, seed=m + n + k)
-  ref = cpu._numpy_f64(*args)
-  outs = {}
-  for reduce in ("tma_add", "xla"):
-    for out_dtype in (jnp.float32, jnp.bfloat16):
-      cfg = gemm.TuningConfig(max_concurrent_steps=6, epi_n=64, split_k=split_k,
-                              split_reduce=reduce)
-      f = jax.jit(lambda *a, cfg=cfg, d=out_dtype: kernels.block_scaled_matmul(
-          *a, out_dtype=d, config=cfg))
-      out = f(*args)
-      assert out.dtype == out_dtype and not bool(jnp.any(jnp.isnan(out)))
-      assert cpu._rel_err(out, ref) < (F32_TOL if out_dtype == jnp.float32 else BF16_TOL)
-      # Zero-filled each call (a second call adding onto the first would be off by ~1); the
-      # addition order varies, which moves an f32 sum by ~1e-7 and, where that crosses a
-      # rounding boundary, a bf16 output by one ulp (measured 1.0e-5 and 1.8e-5 overall).
-      assert cpu._rel_err(f(*args), np.asarray(out, np.float64)) < 1e-3
-      outs[reduce, jnp.dtype(out_dtype).name] = out
-  assert cpu._rel_err(outs["tma_add", "float32"],
-                      np.asarray(outs["xla", "float32"], np.float64)) < 1e-6
 
 
 @pytest.mark.parametrize("m,n,k,kind", [(16384, 1536, 256, "block"), (1536, 256, 16384, "row"),
@@ -133,19 +104,20 @@ def test_matmul_kernel_scales_is_block_scaled_matmul_bit_for_bit(m, n, k, kind):
 
 
 @pytest.mark.parametrize("m,n,k,kind", [(16384, 1536, 256, "block"), (4104, 2000, 1000, "row")])
-def test_gemm_double_buffered_epilogue_is_bit_identical(m, n, k, kind):
-  """Two output staging buffers per warpgroup: the same bf16 output as one, bit for bit, and
-  the same on a rerun (a store reading a buffer that is being overwritten would show)."""
+def test_gemm_epilogue_chunks_are_bit_identical(m, n, k, kind):
+  """One staging buffer per warpgroup, reused by every chunk: 32-, 64- and 128-wide chunks
+  give the same bf16 output bit for bit, and the same on a rerun (a store still reading the
+  buffer while the next chunk overwrites it would show)."""
   args = cpu._operands(m, n, k, kind, seed=m + n + 1)
   ref = cpu._numpy_f64(*args)
   outs = {}
-  for bufs in (1, 2):
-    cfg = gemm.TuningConfig(max_concurrent_steps=4, epi_n=64, epi_buffers=bufs)
+  for epi_n in (128, 64, 32):
+    cfg = tuning.TuningConfig(max_concurrent_steps=4, epi_n=epi_n)
     f = jax.jit(lambda *a, cfg=cfg: kernels.block_scaled_matmul(*a, config=cfg))
-    outs[bufs] = f(*args)
-    assert cpu._rel_err(outs[bufs], ref) < BF16_TOL
-    assert bool(jnp.all(f(*args) == outs[bufs]))
-  assert bool(jnp.all(outs[1] == outs[2]))
+    outs[epi_n] = f(*args)
+    assert cpu._rel_err(outs[epi_n], ref) < BF16_TOL
+    assert bool(jnp.all(f(*args) == outs[epi_n]))
+  assert bool(jnp.all(outs[128] == outs[64])) and bool(jnp.all(outs[128] == outs[32]))
 
 
 @pytest.mark.parametrize("a_dtype,b_dtype,out_dtype", [

@@ -49,10 +49,16 @@ def _train_both(workdir) -> dict:
                "eval.every_steps": 0, "checkpoint.every_steps": 0, "mesh.data": 1,
                "precision.recipe": "infir2", "log.tensorboard": False}
   calls = collections.Counter()
-  sys.modules["infir2_jax.precision.kernels"] = _interpreted_kernels(kernels, calls)
-  train(tiny_config(**overrides, **{"precision.backend": "pallas"}),
-        os.path.join(workdir, "pallas"))
-  sys.modules["infir2_jax.precision.kernels"] = kernels
+  # precision/gemm.py imports the kernels as `from infir2_jax.precision import kernels` at
+  # call time, which reads the package's attribute first: swap both it and sys.modules.
+  precision = sys.modules["infir2_jax.precision"]
+  stand_in = _interpreted_kernels(kernels, calls)
+  sys.modules["infir2_jax.precision.kernels"] = precision.kernels = stand_in
+  try:
+    train(tiny_config(**overrides, **{"precision.backend": "pallas"}),
+          os.path.join(workdir, "pallas"))
+  finally:
+    sys.modules["infir2_jax.precision.kernels"] = precision.kernels = kernels
   train(tiny_config(**overrides, **{"precision.backend": "xla"}), os.path.join(workdir, "xla"))
   return {"calls": dict(calls), "pallas": train_losses(os.path.join(workdir, "pallas")),
           "xla": train_losses(os.path.join(workdir, "xla"))}

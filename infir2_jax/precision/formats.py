@@ -1,4 +1,11 @@
-"""FP8 element formats and scale formats, and the exact power-of-two scale rounding."""
+"""FP8 element formats and scale formats, and the rules every quantizer shares.
+
+The one owner of: the element formats (dtype, max), the scale formats, the 2**-126 scale
+floor, abs_bits, the subnormal flush and scale_from_amax. precision/quantize.py (XLA) and
+precision/kernels/quantize.py (Mosaic GPU) both call these, so the two agree bit for bit.
+What the kernels call (abs_bits, flush_subnormals, scale_from_amax) is written in ops that
+lower in Mosaic GPU: int32 bit ops, selects and numpy scalar constants (no jnp.ceil).
+"""
 
 import dataclasses
 
@@ -9,8 +16,9 @@ import numpy as np
 
 # Smallest normal float32, 2**-126. It floors every scale (an all-zero tile gets a finite
 # scale, so q = 0 and dequantize gives an exact 0 instead of 0/0 = NaN) and it is the flush
-# threshold for subnormal inputs (see quantize.py).
+# threshold for subnormal inputs (flush_subnormals).
 SCALE_FLOOR = float(np.finfo(np.float32).tiny)
+SCALE_FLOOR_BITS = 0x00800000  # its float32 bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,18 +62,38 @@ def is_fp8_dtype(dtype) -> bool:
   return jnp.dtype(dtype) in (FORMATS["e4m3"].dtype, FORMATS["e5m2"].dtype)
 
 
+def abs_bits(x32: jax.Array) -> jax.Array:
+  """|x| as int32 bits: ordered like |x|, with every NaN above +inf.
+
+  A max over these is exact and NaN-propagating on every backend (XLA:CPU's vectorized float
+  max drops NaNs, measured on jax 0.11.2).
+  """
+  return lax.bitcast_convert_type(x32, jnp.int32) & 0x7FFFFFFF
+
+
+def flush_subnormals(x32: jax.Array) -> jax.Array:
+  """float32 subnormals (|x| < 2**-126) to a signed zero; everything else unchanged.
+
+  XLA:CPU already treats subnormals as zero (DAZ) and GPUs may not, so flushing explicitly
+  makes every backend agree. The compare is on the bits, so DAZ cannot change it; x * 0 keeps
+  the sign of zero, and NaN / inf (bits above the floor's) pass through.
+  """
+  return jnp.where(abs_bits(x32) < SCALE_FLOOR_BITS, x32 * 0.0, x32)
+
+
 def round_up_pow2(s: jax.Array) -> jax.Array:
   """2**ceil(log2(s)) for positive normal float32 s, exactly, from the bits.
 
-  Bumps the exponent field when the mantissa is non-zero. NaN stays NaN and +inf stays
-  +inf (their exponent field is all ones; bumping NaN's would overflow into the sign bit,
-  so it is selected away). No jnp.ceil/log2: not exact, and ceil does not lower in Mosaic GPU.
+  Bumps the exponent field when the mantissa is non-zero (2**-126 for a positive subnormal,
+  0 for 0). NaN and inf (exponent field all ones) are returned as they are: bumping NaN's
+  would overflow into the sign bit. int32 ops, a select on the exponent field: this lowers in
+  Mosaic GPU (jnp.ceil does not; and ceil / log2 are not exact).
   """
-  bits = lax.bitcast_convert_type(s.astype(jnp.float32), jnp.uint32)
-  exponent = (bits >> 23) & 0xFF
-  exponent = exponent + ((bits & 0x7FFFFF) != 0).astype(jnp.uint32)
-  pow2 = lax.bitcast_convert_type(exponent << 23, jnp.float32)
-  return jnp.where(jnp.isnan(s), s, pow2)
+  bits = lax.bitcast_convert_type(s, jnp.int32)
+  exponent = lax.shift_right_logical(bits, 23) & 0xFF
+  bumped = exponent + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+  pow2 = lax.bitcast_convert_type(lax.shift_left(bumped, 23), jnp.float32)
+  return jnp.where(exponent == 0xFF, s, pow2)
 
 
 def reciprocal_exact(s: jax.Array) -> jax.Array:
@@ -98,14 +126,17 @@ def reciprocal_exact(s: jax.Array) -> jax.Array:
 
 
 def scale_from_amax(amax: jax.Array, fmt: str, scale_format: str) -> jax.Array:
-  """The float32 scale of a tile with max |x| = amax (the shared quantization semantics)."""
+  """The float32 scale of a tile with max |x| = amax (float32): the shared semantics.
+
+  s = max(amax * RN32(1 / fmax), 2**-126), and for "ue8m0" round_up_pow2(s). NaN and inf
+  amax give a NaN / inf scale.
+  """
   # amax * RN32(1 / fmax), a multiply: XLA rewrites division by a (broadcast) scalar into
   # exactly this anyway, so we write it down to make every backend agree. For "ue8m0" the
   # power-of-two result equals that of the IEEE division amax / fmax for every f32 amax
   # (checked exhaustively over a binade in tests/test_precision_quantize.py).
-  inv_fmax = jnp.float32(1.0 / get_format(fmt).max)
-  s = amax.astype(jnp.float32) * inv_fmax
-  floor = jnp.float32(SCALE_FLOOR)
+  s = amax * np.float32(1.0 / get_format(fmt).max)
+  floor = np.float32(SCALE_FLOOR)
   s = jnp.where(s < floor, floor, s)                  # a select, so NaN passes on any backend
   if check_scale_format(scale_format) == "ue8m0":
     s = round_up_pow2(s)

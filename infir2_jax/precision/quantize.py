@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from infir2_jax.precision import formats
+from infir2_jax.precision.formats import abs_bits  # quant_error.py imports it from here
 
 Tile = tuple[int, int] | None
 
@@ -90,16 +91,6 @@ def expand_scale(scale: jax.Array, tile: Tile, shape: tuple[int, ...]) -> jax.Ar
   return s
 
 
-def _flush_subnormals(x32: jax.Array) -> jax.Array:
-  # x * 0 keeps the sign of zero; NaN and inf fail the comparison and pass through.
-  return jnp.where(jnp.abs(x32) < formats.SCALE_FLOOR, x32 * 0.0, x32)
-
-
-def abs_bits(x32: jax.Array) -> jax.Array:
-  """|x| as int32 bits: ordered like |x|, with every NaN above +inf."""
-  return lax.bitcast_convert_type(x32, jnp.int32) & 0x7FFFFFFF
-
-
 def _tile_amax(x32: jax.Array, tile: Tile) -> jax.Array:
   """max |x| per tile by zero-pad + reshape + reduce, NaN if the tile holds a NaN.
 
@@ -135,7 +126,7 @@ def quantize(x: jax.Array, tile: Tile, fmt: str = "e4m3", scale_format: str = "u
   f = formats.get_format(fmt)
   formats.check_scale_format(scale_format)
   tile = resolve_tile(tile, x.shape)
-  x32 = _flush_subnormals(jnp.asarray(x, jnp.float32))
+  x32 = formats.flush_subnormals(jnp.asarray(x, jnp.float32))
   scale = formats.scale_from_amax(_tile_amax(x32, tile), fmt, scale_format)
   # Barrier: left fusible, XLA inlines the 24-step reciprocal into every element's
   # expression and compiles for minutes; it belongs on the small scale grid anyway.

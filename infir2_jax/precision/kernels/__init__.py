@@ -10,6 +10,10 @@ on CPU, for tests):
   quantize_tiles(...)              1x128 tiles [+ token-axis tiles for wgrad].
   quantize_blocks(...)             128x128 weight blocks [+ transposed q].
 and pure-jnp references `*_reference` of each.
+
+Files: gemm.py (GEMM wrapper and reference), gemm_body.py (its Pallas body), tuning.py
+(TuningConfig, default_config, fitting), quantize.py (quantization kernels and references).
+The FP8 formats and scale rules they share are infir2_jax.precision.formats's.
 """
 import functools
 import importlib
@@ -17,29 +21,27 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from infir2_jax.precision.kernels.gemm import BLOCK
-from infir2_jax.precision.kernels.gemm import DEFAULT_CONFIG
-from infir2_jax.precision.kernels.gemm import FP8_DTYPES
+from infir2_jax.precision import formats
+from infir2_jax.precision.kernels.gemm import KernelScales
 from infir2_jax.precision.kernels.gemm import OUT_DTYPES
-from infir2_jax.precision.kernels.gemm import TuningConfig
-from infir2_jax.precision.kernels.gemm import default_config
 from infir2_jax.precision.kernels.gemm import block_scaled_matmul
 from infir2_jax.precision.kernels.gemm import block_scaled_matmul_reference
-from infir2_jax.precision.kernels.gemm import KernelScales
 from infir2_jax.precision.kernels.gemm import kernel_scales
 from infir2_jax.precision.kernels.gemm import matmul_kernel_scales
 from infir2_jax.precision.kernels.quantize import quantize_blocks
 from infir2_jax.precision.kernels.quantize import quantize_blocks_reference
 from infir2_jax.precision.kernels.quantize import quantize_tiles
 from infir2_jax.precision.kernels.quantize import quantize_tiles_reference
-from infir2_jax.precision.kernels.quantize import scale_from_amax
+from infir2_jax.precision.kernels.tuning import BLOCK
+from infir2_jax.precision.kernels.tuning import TuningConfig
+from infir2_jax.precision.kernels.tuning import default_config
 
 __all__ = [
-    "available", "supports", "TuningConfig", "DEFAULT_CONFIG", "default_config",
+    "available", "supports", "TuningConfig", "default_config",
     "block_scaled_matmul", "block_scaled_matmul_reference",
     "KernelScales", "kernel_scales", "matmul_kernel_scales",
     "quantize_tiles", "quantize_tiles_reference",
-    "quantize_blocks", "quantize_blocks_reference", "scale_from_amax",
+    "quantize_blocks", "quantize_blocks_reference",
 ]
 
 
@@ -72,7 +74,7 @@ def supports(m: int, n: int, k: int, a_dtype, b_dtype, b_scale_shape, out_dtype=
   """
   if min(m, n, k) < 1:
     return False
-  if jnp.dtype(a_dtype) not in FP8_DTYPES or jnp.dtype(b_dtype) not in FP8_DTYPES:
+  if not (formats.is_fp8_dtype(a_dtype) and formats.is_fp8_dtype(b_dtype)):
     return False
   if jnp.dtype(out_dtype) not in OUT_DTYPES:
     return False

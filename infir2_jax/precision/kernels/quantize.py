@@ -1,7 +1,8 @@
 """Fused FP8 quantization for Hopper (Pallas Mosaic GPU), with pure-jnp references.
 
 Semantics: bit-identical to infir2_jax.precision.quantize (its docstring is the
-authority; it refines the common contract). Per tile, with floor = 2**-126:
+authority; it refines the common contract); the shared rules (formats, floor, flush, abs_bits,
+scale_from_amax) come from infir2_jax.precision.formats. Per tile, with floor = 2**-126:
   x     = f32(x); subnormal x (|x| < floor) become a signed zero
   amax  = max |x|, taken on the int32 bits (NaN propagates, above inf)
   s     = max(amax * RN32(1 / fmax), floor)          (a select: NaN stays)
@@ -28,46 +29,25 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from infir2_jax.precision import formats
+from infir2_jax.precision.formats import abs_bits
+from infir2_jax.precision.formats import scale_from_amax
+
 TILE = 128
-FORMATS = {"e4m3": (jnp.float8_e4m3fn, 448.0), "e5m2": (jnp.float8_e5m2, 57344.0)}
-SCALE_FORMATS = ("ue8m0", "fp32")
-_FLOOR = float(np.finfo(np.float32).tiny)  # 2**-126: scale floor and flush threshold
-_FLOOR_BITS = 0x00800000
 
 
 def _check_formats(fmt: str, scale_format: str):
-  if fmt not in FORMATS:
-    raise ValueError(f"fmt={fmt!r}: must be one of {sorted(FORMATS)}")
-  if scale_format not in SCALE_FORMATS:
-    raise ValueError(f"scale_format={scale_format!r}: must be one of {SCALE_FORMATS}")
-
-
-def abs_bits(x32):
-  """|x| as int32 bits: ordered like |x|, every NaN above +inf."""
-  return lax.bitcast_convert_type(x32, jnp.int32) & 0x7FFFFFFF
-
-
-def scale_from_amax(amax, fmt: str = "e4m3", scale_format: str = "ue8m0"):
-  """f32 amax -> f32 scale (exact exponent-bit rounding for ue8m0; NaN/inf kept)."""
-  s = amax * np.float32(1.0 / FORMATS[fmt][1])
-  s = jnp.where(s < _FLOOR, np.float32(_FLOOR), s)
-  if scale_format == "fp32":
-    return s
-  bits = lax.bitcast_convert_type(s, jnp.int32)
-  e = lax.shift_right_logical(bits, 23) & 0xFF
-  rounded_up = lax.bitcast_convert_type(
-      lax.shift_left(e + ((bits & 0x7FFFFF) != 0).astype(jnp.int32), 23), jnp.float32)
-  return jnp.where(e == 0xFF, s, rounded_up)  # NaN and inf stay as they are
+  formats.get_format(fmt)
+  formats.check_scale_format(scale_format)
 
 
 def quantize_values(x32, inv, fmt: str):
   """fp8(clip(flush(x) * inv)); inv already broadcast to x's shape."""
-  dtype, fmax = FORMATS[fmt]
-  x32 = jnp.where(abs_bits(x32) < _FLOOR_BITS, x32 * 0.0, x32)
-  y = x32 * inv
-  fmax = np.float32(fmax)
-  y = jnp.where(y > fmax, fmax, jnp.where(y < -fmax, -fmax, y))
-  return y.astype(dtype)
+  f = formats.get_format(fmt)
+  y = formats.flush_subnormals(x32) * inv
+  fmax = np.float32(f.max)
+  y = jnp.where(y > fmax, fmax, jnp.where(y < -fmax, -fmax, y))  # selects: NaN passes
+  return y.astype(f.dtype)
 
 
 def _tiles_along_last(x, fmt, scale_format):
@@ -116,7 +96,7 @@ def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose):
 
   mi, ki = lax.axis_index("m"), lax.axis_index("k")
   rows, cols = pl.ds(mi * TILE, TILE), pl.ds(ki * TILE, TILE)
-  dtype = FORMATS[fmt][0]
+  dtype = formats.get_format(fmt).dtype
   half = TILE // 2  # Registers hold 64 x 128 f32 at a time (64 per thread).
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -219,7 +199,7 @@ def _quantize_2d(x, *, fmt, scale_format, blocks, with_transpose, interpret):
   mp, kp = _round_up(m, TILE), _round_up(k, TILE)
   xp = jnp.pad(x, ((0, mp - m), (0, kp - k))) if (mp, kp) != (m, k) else x
   mb, kb = -(-mp // TILE), -(-kp // TILE)
-  dtype = FORMATS[fmt][0]
+  dtype = formats.get_format(fmt).dtype
   f32 = jnp.float32
   out_type = [jax.ShapeDtypeStruct((mp, kp), dtype),
               jax.ShapeDtypeStruct((mb, 4 * kb) if blocks else (kb, mp), f32)]

@@ -1,11 +1,12 @@
-"""Tuning of the block-scaled GEMM: the frozen TuningConfig, measured defaults, fitting."""
+"""Tuning of the block-scaled GEMM: the frozen TuningConfig, measured defaults, fitting.
+
+The measurements behind every default and constant here are in benchmarks/NOTES_kernels.md.
+"""
 import dataclasses
 
 import jax.numpy as jnp
 
 BLOCK = 128  # Scale block along K (and along N for 128x128 weight blocks).
-PROMOTIONS = ("serial", "carried", "paired")
-SPLIT_REDUCTIONS = ("xla", "tma_add")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -19,33 +20,17 @@ class TuningConfig:
   Attributes:
     tile_m: rows per compute warpgroup; the CTA covers compute_wgs * tile_m rows.
     tile_n: columns per CTA (the compute warpgroups share the B tile).
-    promotion: how partial sums reach the f32 accumulator. "serial" (fastest
-      measured, 1123 TFLOP/s at 8192^3 on an H200 with two compute warpgroups):
-      wgmma a K block, wait, fold it in; the other warpgroups' wgmma fill the gap
-      (see compute_wgs). ptxas already issues each K block's first wgmma with
-      scale-d = 0, so the fresh partial accumulator costs no zeroing (SASS,
-      session 10). Splitting the tile's columns into two or four accumulators, each
-      folded in while the next one's wgmma runs, was slower (8192^3: 942 and 726 vs
-      1131; benchmarks/NOTES_kernels.md, session 10). "carried" (1021): fold
-      block k in while the wgmma of block k+1 runs, carrying block k's partial
-      in registers (register moves every step). "paired" (434): steps of two K
-      blocks with the second wgmma in flight across steps in a persistent
-      accumulator; ptxas serializes it (C7514) and spills. K blocks per split
-      must be even for "paired", which the Mosaic GPU interpreter cannot run
-      (it stores to a wgmma accumulator).
     max_concurrent_steps: pipeline depth (shared-memory stages); an upper bound,
       lowered to what fits in shared memory.
-    epi_n: columns per epilogue store (None: tile_n, or narrower when that buys
-      a deeper pipeline).
     grid_minor_dim: "m" or "n": which output axis the persistent loop walks first.
     grid_tile_width: width of the snake-order tiles of the persistent loop.
     memory_registers: registers per thread of the TMA warpgroup.
-    cluster: None, "m" or "n": pair CTAs along M (sharing the B tile) or N
-      (sharing the A tile), which TMA multicasts to both.
     split_k: K splits (f32 partial outputs summed by XLA) for grids with too few
       tiles to fill the GPU, e.g. wgrad; None picks one by a cost model. Any split
       works: each takes ceil(K blocks / split_k) blocks, and the last one's overhang
       past K is read as zeros by TMA (its scales are zero-padded).
+    epi_n: columns per epilogue store (None: tile_n, or narrower when that buys
+      a deeper pipeline).
     cross_tile: one TMA pipeline across all tiles of a persistent CTA, so the
       memory warpgroup loads the next tile's first K blocks while the compute
       warpgroups finish (and store) the current one. Without it every tile
@@ -53,40 +38,24 @@ class TuningConfig:
       for the 1.5B's k/v dgrad). Needs a pipeline depth dividing the K blocks
       per tile and >= 2 tiles per CTA; None: on where that holds without a
       shallower pipeline (or K blocks per tile <= CROSS_TILE_MAX_K_STEPS).
-    split_reduce: how split-K partials are summed. "xla" (deterministic): each split
-      writes its own f32 [M, N] partial and XLA sums them afterwards. "tma_add": every
-      split adds its f32 tile into one zeroed [M, N] output with TMA's reduce-add
-      (cp.reduce.async.bulk), so no partials round-trip through memory; the order of
-      the additions varies from run to run, so the low bits of the result do too.
-    epi_buffers: output staging buffers per compute warpgroup (1 or 2). With 2, a
-      chunk's store to global memory is still in flight while the next chunk (or the
-      next tile) is converted; needs an even number of chunks per tile (tile_n /
-      epi_n). Measured on the H200 (benchmarks/NOTES_kernels.md, session 8): no
-      gain on any 1.5B shape (K=256 dgrad 450 vs 454 TFLOP/s), so 1 by default.
-    compute_wgs: compute warpgroups per CTA (1-3), each on its own tile_m rows. Every
-      warpgroup waits for its wgmma before folding the partial sums in, so the tensor
-      core idles unless another warpgroup's wgmma is queued: three keep it busier than
-      two (8192^3 on the H200: 1318 vs 1136 TFLOP/s side by side, session 10), at 2/3 of
-      the registers each (152: enough for 64x128 tiles, not for 192-wide ones).
+    compute_wgs: compute warpgroups per CTA (1-3), each on its own tile_m rows. Each
+      warpgroup waits for its wgmma before folding the partial sums in (serial
+      promotion), so the tensor core idles unless another warpgroup's wgmma is queued:
+      three keep it busier than two, at 2/3 of the registers each (enough for 64x128
+      tiles, not for 192-wide ones).
   """
   tile_m: int = 64
   tile_n: int = 128
-  promotion: str = "serial"
   max_concurrent_steps: int = 4
   grid_minor_dim: str = "n"
   grid_tile_width: int = 8
   memory_registers: int = 40
-  cluster: str | None = None
   split_k: int | None = None
   epi_n: int | None = None
   cross_tile: bool | None = None
-  epi_buffers: int = 1
-  split_reduce: str = "xla"
   compute_wgs: int = 2
 
   def __post_init__(self):
-    if self.promotion not in PROMOTIONS:
-      raise ValueError(f"promotion={self.promotion!r}: must be one of {PROMOTIONS}")
     if self.tile_m != 64:
       raise ValueError(f"tile_m={self.tile_m}: only 64 (one wgmma M group) is supported")
     if self.tile_n % 64 or not 64 <= self.tile_n <= 256:
@@ -95,26 +64,20 @@ class TuningConfig:
       raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps}: must be >= 2")
     if self.grid_minor_dim not in ("m", "n"):
       raise ValueError(f"grid_minor_dim={self.grid_minor_dim!r}: must be 'm' or 'n'")
-    if self.cluster not in (None, "m", "n"):
-      raise ValueError(f"cluster={self.cluster!r}: must be None, 'm' or 'n'")
     if self.split_k is not None and self.split_k < 1:
       raise ValueError(f"split_k={self.split_k}: must be None or >= 1")
     if self.epi_n is not None and (self.epi_n % 32 or self.tile_n % self.epi_n):
       raise ValueError(f"epi_n={self.epi_n}: must be a multiple of 32 dividing tile_n")
-    if self.split_reduce not in SPLIT_REDUCTIONS:
-      raise ValueError(f"split_reduce={self.split_reduce!r}: must be one of {SPLIT_REDUCTIONS}")
     if self.compute_wgs not in (1, 2, 3):
       raise ValueError(f"compute_wgs={self.compute_wgs}: must be 1, 2 or 3")
-    if self.epi_buffers not in (1, 2):
-      raise ValueError(f"epi_buffers={self.epi_buffers}: must be 1 or 2")
 
   @property
   def cta_m(self) -> int:
     return self.compute_wgs * self.tile_m
 
 
-# Measured on an H200 (benchmarks/NOTES_kernels.md): best two-warpgroup config of the sweep
-# at 8192^3; default_config runs it with three compute warpgroups where the cost model says.
+# The best two-warpgroup config of the sweep at 8192^3; default_config runs it with three
+# compute warpgroups where the cost model says.
 DEFAULT_CONFIG = TuningConfig(max_concurrent_steps=6, epi_n=64)
 SMEM_BYTES = 232448  # Per-block shared memory on H100/H200 (227 KiB).
 
@@ -131,10 +94,9 @@ def split_k_blocks(k_blocks: int, split_k: int) -> int:
 def choose_split_k(m, n, k, config: TuningConfig, num_sms: int) -> int:
   """Split-K that minimizes modeled_time: waves of tiles plus the partials' traffic.
 
-  Only splits dividing the K blocks are considered: on the 1.5B's kv wgrad the model
-  preferred 5 ragged splits (one round of 120 CTAs) to 4, and the H200 measured 460 vs
-  467 TFLOP/s (benchmarks/NOTES_kernels.md, session 8); ragged splits stay available as
-  an explicit split_k.
+  Only splits dividing the K blocks are considered: a ragged split that the model preferred
+  (one round of CTAs instead of two) measured no faster on the 1.5B's kv wgrad; ragged splits
+  stay available as an explicit split_k.
   """
   return _best_split(m, n, k, config, num_sms)[0]
 
@@ -144,16 +106,14 @@ def modeled_time(m, n, k, config: TuningConfig, num_sms: int) -> float:
   return _best_split(m, n, k, config, num_sms)[1]
 
 
-# Mainloop speed per FLOP of three compute warpgroups over two (64x128 tiles each), side by
-# side on the H200 (session 10): 8192^3 1.16, 16384x1536x8960 1.17, 16384x8960x1536 1.13.
+# Mainloop speed per FLOP of three compute warpgroups over two (64x128 tiles each), fit to
+# side-by-side runs on large shapes (1.13-1.17x).
 COMPUTE_WGS_GAIN = {3: 1.15}
 
 
 def _best_split(m, n, k, config: TuningConfig, num_sms: int,
                 flops_per_s=1.1e15, bytes_per_s=3.5e12) -> tuple[int, float]:
-  cm = 2 if config.cluster == "m" else 1
-  cn = 2 if config.cluster == "n" else 1
-  tiles = _cdiv(m, cm * config.cta_m) * _cdiv(n, cn * config.tile_n) * cm * cn
+  tiles = _cdiv(m, config.cta_m) * _cdiv(n, config.tile_n)
   kb = _cdiv(k, BLOCK)
   per_sm = flops_per_s * COMPUTE_WGS_GAIN.get(config.compute_wgs, 1.0) / num_sms
   best, best_t = 1, None
@@ -180,24 +140,20 @@ def default_config(m: int, n: int, k: int, num_sms: int = HOPPER_SMS,
 
   Short K (<= SHORT_K) stages the output in one 128-wide chunk per warpgroup (SHORT_K_CONFIG).
 
-  Three compute warpgroups (192-row CTA tiles) run the mainloop ~1.15x faster per FLOP than
-  two (COMPUTE_WGS_GAIN) but make 1.5x larger tiles, so the cost model (modeled_time:
-  rounds of persistent tiles, split-K) picks between them: three on the 1.5B's large
-  fprop/dgrad and its K=256 dgrad and kv wgrad, two on 16384x256x1536 (172 tiles of 192 rows
-  need 2 rounds as 256 of 128 rows do: 626 vs 711 TFLOP/s measured). max_compute_wgs=2
-  keeps two (block_scaled_matmul's interpret mode does).
+  Three compute warpgroups (192-row CTA tiles) run the mainloop faster per FLOP than two
+  (COMPUTE_WGS_GAIN) but make 1.5x larger tiles, so the cost model (modeled_time: rounds of
+  persistent tiles, split-K) picks between them: e.g. two on 16384x256x1536, where 172 tiles
+  of 192 rows need as many rounds as 256 of 128 rows do. max_compute_wgs=2 keeps two
+  (block_scaled_matmul's interpret mode does).
 
   64x192 warpgroup tiles win only on the wgrad GEMMs (b_scale "row": 1x128 tiles on both
   operands, K = tokens), and there only where their rounds of persistent tiles do not cost
-  more than they gain. Per FLOP they ran ~1.15x faster than 64x128 there (fit to
-  1536x8960x16384: 916 vs 858 TFLOP/s with 5 vs 7 rounds, and 3584x3584x16384: 860 vs 937
-  with 5 vs 6), so 192 is picked when 1.5 x its rounds < 1.15 x those of 128. With 128x128
-  weight blocks ("block") a 128-wide tile promotes with one scale per row while 192 needs
-  per-column scales, and 128 won every such shape, also with K = 18944 (901 vs 942). Grids
-  with fewer 128-wide tiles than SMs keep 128 and split K. The rule matches all shapes
+  more than they gain: 192 is picked when 1.5 x its rounds < WIDE_TILE_GAIN x those of 128.
+  With 128x128 weight blocks ("block") a 128-wide tile promotes with one scale per row while
+  192 needs per-column scales, and 128 won every such shape. Grids with fewer 128-wide tiles
+  than SMs keep 128 and split K. tests/test_kernels.py checks the rule against every shape
   where both widths were timed (benchmarks/results/gemm_h200_run1.json and
-  gemm_h200_s8_variants.json, e.g. 3584x18944x16384: 1020 vs 808; tests/test_kernels.py
-  checks it against both files).
+  gemm_h200_s8_variants.json).
   """
   if b_scale == "row" and k >= 16384:
     tiles_128 = _cdiv(m, 128) * _cdiv(n, 128)
@@ -213,9 +169,9 @@ def default_config(m: int, n: int, k: int, num_sms: int = HOPPER_SMS,
 
 
 # K <= 512 (2-4 K blocks per tile): the epilogue is a large share of each tile, and one
-# 128-wide store per warpgroup beat two 64-wide ones on the 1.5B's k/v dgrad (K=256): 479.6
-# vs 456.8 TFLOP/s side by side (benchmarks/NOTES_kernels.md, session 9). The pipeline is
-# as deep as the K blocks anyway (cross_tile), so the wider staging buffer costs no stage.
+# 128-wide store per warpgroup beat two 64-wide ones on the 1.5B's k/v dgrad (K=256). The
+# pipeline is as deep as the K blocks anyway (cross_tile), so the wider staging buffer
+# costs no stage.
 SHORT_K = 512
 SHORT_K_CONFIG = TuningConfig(max_concurrent_steps=6, epi_n=128)
 
@@ -232,18 +188,18 @@ def resolve_cross_tile(config: TuningConfig, work_items: int, ctas: int,
   """Decides config.cross_tile (None: auto) and sets a pipeline depth dividing k_steps.
 
   A pipeline carried from tile to tile needs (Pallas Mosaic GPU's pipeline_state) a depth
-  that divides the steps of each tile and no delayed release ("paired"); a CTA's first
-  tile starts it and its last tile drains it, so each CTA needs two tiles or more.
+  that divides the steps of each tile; a CTA's first tile starts it and its last tile drains
+  it, so each CTA needs two tiles or more.
   """
   depth = _largest_divisor_at_most(k_steps, config.max_concurrent_steps)
-  possible = (config.promotion != "paired" and work_items >= 2 * ctas and depth >= 2)
+  possible = work_items >= 2 * ctas and depth >= 2
   if config.cross_tile is None:
     on = possible and (depth == min(config.max_concurrent_steps, k_steps)
                        or k_steps <= CROSS_TILE_MAX_K_STEPS)
   elif config.cross_tile and not possible:
-    raise ValueError(f"{config}: cross_tile needs promotion != 'paired', >= 2 tiles per CTA"
-                     f" ({work_items} tiles for {ctas} CTAs) and a pipeline depth >= 2"
-                     f" dividing the {k_steps} K steps per tile")
+    raise ValueError(f"{config}: cross_tile needs >= 2 tiles per CTA ({work_items} tiles for"
+                     f" {ctas} CTAs) and a pipeline depth >= 2 dividing the {k_steps} K"
+                     " steps per tile")
   else:
     on = config.cross_tile
   if not on:
@@ -252,12 +208,11 @@ def resolve_cross_tile(config: TuningConfig, work_items: int, ctas: int,
 
 
 def _stage_bytes(config: TuningConfig) -> int:
-  kps = 2 if config.promotion == "paired" else 1
-  return kps * (config.cta_m + config.tile_n) * (BLOCK + 4)  # fp8 A, B tiles + f32 scales
+  return (config.cta_m + config.tile_n) * (BLOCK + 4)  # fp8 A, B tiles + f32 scales
 
 
-def _out_bytes(config: TuningConfig, epi_n: int, out_dtype, buffers: int) -> int:
-  return buffers * config.compute_wgs * config.tile_m * epi_n * jnp.dtype(out_dtype).itemsize
+def _out_bytes(config: TuningConfig, epi_n: int, out_dtype) -> int:
+  return config.compute_wgs * config.tile_m * epi_n * jnp.dtype(out_dtype).itemsize
 
 
 SMEM_RESERVED = 2048  # barriers and alignment
@@ -265,25 +220,14 @@ SMEM_RESERVED = 2048  # barriers and alignment
 
 def fit_stages(config: TuningConfig, out_dtype) -> TuningConfig:
   """Caps max_concurrent_steps (and narrows the epilogue) to fit shared memory."""
-  kps = 2 if config.promotion == "paired" else 1
   stage = _stage_bytes(config)
-  want = min(config.max_concurrent_steps, 3 if kps == 2 else 5)
+  want = min(config.max_concurrent_steps, 5)
   widths = [config.epi_n] if config.epi_n else [config.tile_n, 64, 32]
   for epi_n in widths:
-    out = _out_bytes(config, epi_n, out_dtype, config.epi_buffers)
-    fit = (SMEM_BYTES - SMEM_RESERVED - out) // stage
+    fit = (SMEM_BYTES - SMEM_RESERVED - _out_bytes(config, epi_n, out_dtype)) // stage
     if fit >= want or epi_n == widths[-1]:
       break
   if fit < 2:
     raise ValueError(f"{config} does not fit in shared memory with out_dtype={out_dtype}")
   return dataclasses.replace(config, max_concurrent_steps=min(config.max_concurrent_steps, fit),
                              epi_n=epi_n)
-
-
-def check_epi_buffers(config: TuningConfig) -> TuningConfig:
-  """Two staging buffers alternate across chunks and tiles: chunks per tile must be even."""
-  chunks = config.tile_n // config.epi_n
-  if config.epi_buffers == 2 and chunks % 2:
-    raise ValueError(f"{config}: epi_buffers=2 needs an even number of epilogue chunks per"
-                     f" tile (tile_n / epi_n = {chunks})")
-  return config
