@@ -229,10 +229,7 @@ def test_quantize_reference_semantics_numpy():
 
 
 def test_quantize_matches_precision_module():
-  try:
-    pq = importlib.import_module("infir2_jax.precision.quantize")
-  except ImportError as e:  # the precision package is written concurrently
-    pytest.skip(f"infir2_jax.precision.quantize not importable: {e}")
+  pq = importlib.import_module("infir2_jax.precision.quantize")
   x = _special_input(200, 264, seed=4)
   for fmt, sf in (("e4m3", "ue8m0"), ("e5m2", "fp32")):
     q, s, qt, st = kernels.quantize_tiles_reference(x, fmt=fmt, scale_format=sf,

@@ -142,7 +142,7 @@ def default_memory_fraction() -> str:
   JAX's allocator takes 75% of GPU memory by default. A step that needs more fails with
   RESOURCE_EXHAUSTED although it fits the card: the 1.5B step at remat=none (2 x 8192) needs
   102 GiB, the H200's 75% is 104 GiB, and the allocation of its 76-GiB temporary failed
-  (benchmarks/NOTES_e2e.md, session 6). Takes effect only before the first GPU computation."""
+  (benchmarks/NOTES_e2e.md). Takes effect only before the first GPU computation."""
   return os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEMORY_FRACTION)
 
 

@@ -171,7 +171,7 @@ def matmul_nt(a: Operand, b: Operand, *, out_dtype, backend: str = "auto",
       XLA:GPU's dynamic-slice fusion otherwise fuses the kernel into the dynamic-update-slice
       that stacks the saved value, and because the value has other users it CLONES the
       custom call: every saved FP8 GEMM ran twice per step (756 instead of 588 GEMMs in the
-      1.5B step, +31 ms of 519; benchmarks/NOTES_e2e.md, session 6). The barrier costs
+      1.5B step, +31 ms of 519; benchmarks/NOTES_e2e.md). The barrier costs
       nothing at run time; the stacking becomes an ordinary (async) copy.
   """
   if a.shape[1] != b.shape[1] or len(a.shape) != 2 or len(b.shape) != 2:
