@@ -1,0 +1,116 @@
+"""Document-masked attention on the H200: the candidate kernels side by side, fwd+bwd.
+
+  python benchmarks/attention.py --out=benchmarks/results/attention_h200.json
+
+For each shape (the 1.5B at 2 x 8192, the 7B at 4 x 4096) and segment layout (8 equal
+documents per row; lengths from a long-tailed document distribution; one document = causal)
+it times jax.grad of sum(out * dy) (CUPTI kernel sums, median) for:
+  dense     cuDNN with a dense [B, 1, L, L] segment mask + is_causal (the model before)
+  causal    cuDNN causal over the whole row (attends across documents: the speed yardstick)
+  packed_M  cuDNN's packed layout (segment lengths and offsets, at most M segments per row)
+  fa3       FlashAttention-3 varlen (flash-attn3-jax), when it imports
+and the largest |difference| of each output and input gradient from the dense path's.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {"1p5b_8k": (2, 8192, 12, 2), "7b_4k": (4, 4096, 28, 4)}  # B, L, heads, KV heads
+HEAD_DIM = 128
+
+
+def segment_layouts(rows: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
+  """[rows, length] int32 segment ids (runs of equal ids, from 1) of each layout."""
+  rng = np.random.default_rng(seed)
+  out = {"8_docs": np.repeat(np.arange(1, 9), length // 8)[None].repeat(rows, 0),
+         "1_doc": np.ones((rows, length), np.int64)}
+  ids = np.zeros((rows, length), np.int64)
+  for r in range(rows):  # log-normal document lengths, median ~600 tokens: web-text-like
+    t, doc = 0, 1
+    while t < length:
+      n = int(np.clip(rng.lognormal(np.log(600), 1.0), 16, length))
+      ids[r, t:t + n] = doc
+      t, doc = t + n, doc + 1
+  out["lognormal_docs"] = ids
+  return {k: v.astype(np.int32) for k, v in out.items()}
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", default="")
+  p.add_argument("--shapes", default=",".join(SHAPES))
+  p.add_argument("--max_segments", default="16,64")
+  p.add_argument("--iters", type=int, default=10)
+  args = p.parse_args()
+  import jax
+  import jax.numpy as jnp
+  from infir2_jax.bench import tools as benchtools
+  from infir2_jax.model import packed_attention as pa
+
+  try:
+    import flash_attn3_jax  # noqa: F401
+    have_fa3 = True
+  except ImportError as e:
+    print(f"flash-attn3-jax unavailable: {e}")
+    have_fa3 = False
+  results = {**benchtools.run_info(sys.argv), "cases": []}
+  for shape_name in args.shapes.split(","):
+    b, length, heads, kv_heads = SHAPES[shape_name]
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, length, heads, HEAD_DIM), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, length, kv_heads, HEAD_DIM), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, length, kv_heads, HEAD_DIM), jnp.bfloat16)
+    dy = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    # causal attention FLOPs, fwd + bwd (bwd = 2.5 x fwd), as the step benchmark counts them
+    causal_flops = 3.5 * 4 * b * heads * HEAD_DIM * length * length / 2
+    for layout, seg_np in segment_layouts(b, length).items():
+      seg = jnp.asarray(seg_np)
+      counts = [len(np.unique(r)) for r in seg_np]
+      variants = {
+          "dense": lambda q, k, v, s: pa.dense_cudnn(q, k, v, s),
+          "causal": lambda q, k, v, s: jax.nn.dot_product_attention(
+              q, k, v, is_causal=True, implementation="cudnn"),
+      }
+      for m in map(int, args.max_segments.split(",")):
+        if max(counts) <= m:
+          variants[f"packed_{m}"] = lambda q, k, v, s, m=m: pa.cudnn_packed(q, k, v, s, m)
+      if have_fa3:
+        variants["fa3"] = lambda q, k, v, s: pa.fa3_varlen(q, k, v, s)
+      outs, case = {}, {"shape": shape_name, "layout": layout, "segments_per_row": counts}
+      for name, fn in variants.items():
+        def loss(q, k, v, fn=fn):
+          out = fn(q, k, v, seg)
+          return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32)), out
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+        try:
+          (dq, dk, dv), out = grad(q, k, v)
+          ms = benchtools.device_ms(grad, (q, k, v), iters=args.iters)
+        except Exception as e:  # noqa: BLE001 - a candidate that fails is a result
+          case[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+          print(shape_name, layout, name, "FAILED", case[name]["error"][:200], flush=True)
+          continue
+        outs[name] = (out, dq, dk, dv)
+        case[name] = {"ms": ms, "causal_equivalent_tflops": causal_flops / ms / 1e9}
+      ref = outs.get("dense")
+      for name, got in outs.items():
+        if ref is not None and name != "causal":
+          case[name]["max_abs_diff_vs_dense"] = {
+              t: float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
+              for t, a, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+      results["cases"].append(case)
+      print(json.dumps({k: (v if not isinstance(v, dict) else
+                            {kk: vv for kk, vv in v.items() if kk != "max_abs_diff_vs_dense"})
+                        for k, v in case.items() if k != "segments_per_row"}), flush=True)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
