@@ -168,8 +168,11 @@ def _as_on_hopper(cfg):
   """The choices a Hopper GPU process makes by itself, made explicit for a deviceless
   compile on a CPU host: cuDNN attention for "auto", the Pallas kernels for "auto"."""
   import dataclasses
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
   from infir2_jax.precision import kernels
   kernels.available = lambda: True  # the target is an H100/H200 (sm_90)
+  # cuDNN's packed layout asks the attached GPU for sm_90; the target is one
+  cudnn_fa.check_compute_capability = lambda *_: True
   if cfg.model.attention == "auto":
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="cudnn"))
   return cfg

@@ -17,6 +17,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa  # the check cuDNN applies
 
+from infir2_jax.model import packed_attention
 from test_sharding_equivalence import run_step
 
 XLA_ATTENTION = jax.nn.dot_product_attention
@@ -83,6 +84,14 @@ def stand_in_cudnn(q, k, v, bias=None, mask=None, *, is_causal=False, implementa
   return _attention(q, k, v, jnp.where(mask, 0.0, -1e9).astype(q.dtype))
 
 
+def stand_in_packed(q, k, v, segment_ids, max_documents):
+  """cuDNN's packed-document call (model.packed_attention.cudnn_packed) as the same stand-in:
+  its q, k and v reach the partitioner as they would, the documents as a dense mask."""
+  del max_documents
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return stand_in_cudnn(q, k, v, mask=same[:, None], is_causal=True, implementation="cudnn")
+
+
 @pytest.fixture(scope="module")
 def single_device():
   loss, _, grads, _ = run_step("bf16", (1, 1, 1), attention="xla")
@@ -95,6 +104,7 @@ def single_device():
 def test_cudnn_attention_shardings_pass_its_partitioner(mesh_shape, single_device,
                                                         monkeypatch):
   monkeypatch.setattr(jax.nn, "dot_product_attention", stand_in_cudnn)
+  monkeypatch.setattr(packed_attention, "cudnn_packed", stand_in_packed)
   CHECKED.clear()
   loss, _, grads, _ = run_step("bf16", mesh_shape, attention="cudnn")
   assert len(CHECKED) >= 2, "the stand-in cuDNN attention was not partitioned (fwd and bwd)"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
-from infir2_jax.model import ModelConfig, Qwen2
+from infir2_jax.model import ModelConfig, Qwen2, packed_attention
 from infir2_jax.model.remat import CUDNN_ATTENTION_FWD
 from test_remat_fp8 import _count_primitives, _opaque
 
@@ -74,9 +74,17 @@ def _fake_attention(q, k, v, bias=None, mask=None, *, is_causal=False, implement
   return _fake_cudnn(q, k, v, mask)
 
 
+def _fake_packed(q, k, v, segment_ids, max_documents):
+  del max_documents
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return _fake_cudnn(q, k, v, same[:, None])
+
+
 @pytest.fixture
 def fake_cudnn(monkeypatch):
+  """cuDNN attention (dense-mask and packed-document calls) as an opaque stand-in on CPU."""
   monkeypatch.setattr(jax.nn, "dot_product_attention", _fake_attention)
+  monkeypatch.setattr(packed_attention, "cudnn_packed", _fake_packed)
 
 
 def _grad(remat: str):

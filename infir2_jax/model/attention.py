@@ -1,6 +1,9 @@
 """Grouped-query self-attention for training (packed documents) and for cached decoding.
 
 Training attends within each packed document (segment ids) or over the whole row (causal).
+On cuDNN the document mask runs as cuDNN's packed layout (model/packed_attention.py: no
+[B, 1, L, L] mask, the blocks between documents skipped); XLA (CPU) applies the dense mask,
+the reference the packed path is tested against.
 Decoding is the same module called with `decode=True` and a mutable "cache" collection
 (flax lm1b's pattern): each call appends its keys and values at the cache's write index,
 and queries attend to the cached slots up to their own that hold keys of their segment
@@ -13,8 +16,10 @@ heads, K key/value heads, Dh head size, D width.
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from infir2_jax.model import packed_attention
 from infir2_jax.model.config import ModelConfig
 from infir2_jax.model.layers import (
     DotGeneralFactory, Linear, apply_rope, default_dot_general_factory, rope_cos_sin)
@@ -53,12 +58,29 @@ def shard_for_cudnn(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL):
   return (*qkv, mask_Bx1xLxL)
 
 
-def implementation(cfg: ModelConfig) -> str | None:
+def implementation(cfg: ModelConfig, platform: str | None = None) -> str | None:
   """jax.nn.dot_product_attention's implementation for model.attention ("auto": cuDNN on
-  a GPU target, else XLA)."""
-  if cfg.attention == "cudnn" or (cfg.attention == "auto" and target_platform() == "gpu"):
+  a GPU target, else XLA); `platform` defaults to the one being compiled for."""
+  platform = platform or target_platform()
+  if cfg.attention == "cudnn" or (cfg.attention == "auto" and platform == "gpu"):
     return "cudnn"
   return None
+
+
+def uses_packed_documents(cfg: ModelConfig, platform: str | None = None) -> bool:
+  """Whether training attention runs cuDNN's packed layout (bounded by model.max_documents)."""
+  return cfg.attention_mask == "document" and implementation(cfg, platform) == "cudnn"
+
+
+def check_documents(segment_ids_BxL, cfg: ModelConfig) -> None:
+  """Raises ValueError when a row holds more documents than the packed layout takes."""
+  most = int(np.max(packed_attention.runs_per_row_np(segment_ids_BxL), initial=0))
+  if most > cfg.max_documents:
+    raise ValueError(
+        f"a batch row holds {most} documents (runs of segment ids), more than "
+        f"model.max_documents={cfg.max_documents} that cuDNN's packed attention is built for; "
+        f"set --config.model.max_documents={most} or more (its cost grows with it), or "
+        "model.attention_mask='causal' to attend across documents")
 
 
 class Attention(nn.Module):
@@ -100,8 +122,14 @@ class Attention(nn.Module):
 
   def _train_attention(self, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL):
     document = self.config.attention_mask == "document"
-    mask_Bx1xLxL = segment_mask(segment_ids_BxL) if document else None
     impl = implementation(self.config)
+    if document and impl == "cudnn":
+      q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, _ = shard_for_cudnn(
+          q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, None)
+      segment_ids_BxL = nn.with_logical_constraint(segment_ids_BxL, ("batch", None))
+      return packed_attention.cudnn_packed(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh,
+                                           segment_ids_BxL, self.config.max_documents)
+    mask_Bx1xLxL = segment_mask(segment_ids_BxL) if document else None
     if impl == "cudnn":
       q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL = shard_for_cudnn(
           q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL)

@@ -32,6 +32,12 @@ class ModelConfig:
   # "causal": to every earlier token of the row (Megatron's default for pre-training,
   # reset_attention_mask=False). "causal" needs no mask, so cuDNN runs its fastest kernel.
   attention_mask: str = "document"
+  # cuDNN attention with the document mask runs cuDNN's packed layout: each row's documents
+  # (runs of segment ids) by their starts and lengths, no mask tensor. Its cost and its saved
+  # softmax statistics grow with this bound on documents per row; a batch with a row of more
+  # documents stops with an error naming this key (benchmarks/attention.py: 2 x 8192 tokens,
+  # 8 documents per row, fwd+bwd 0.82 ms at 16, 1.63 ms at 64; dense mask 6.35 ms).
+  max_documents: int = 16
   # activation recomputation per layer: "none" | "save_dots" (keep matmul outputs) |
   # "save_dots_fp8" (and FP8 recipes' quantized backward operands) | "full" (keep nothing)
   remat: str = "none"
@@ -59,6 +65,8 @@ class ModelConfig:
                        f"model.num_heads={self.num_heads}; set model.head_dim explicitly")
     if self.attention not in ("xla", "cudnn", "auto"):
       raise ValueError(f"model.attention={self.attention!r}; valid: 'xla', 'cudnn', 'auto'")
+    if self.max_documents < 1:
+      raise ValueError(f"model.max_documents must be >= 1, got {self.max_documents}")
     if self.loss_chunk < 0:
       raise ValueError(f"model.loss_chunk must be >= 0 (0: no chunking), got {self.loss_chunk}")
     if self.attention_mask not in ("document", "causal"):

@@ -17,6 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def run_starts(segment_ids_BxL: jax.Array) -> jax.Array:
@@ -25,9 +26,15 @@ def run_starts(segment_ids_BxL: jax.Array) -> jax.Array:
   return jnp.concatenate([first, segment_ids_BxL[:, 1:] != segment_ids_BxL[:, :-1]], axis=1)
 
 
-def runs_per_row(segment_ids_BxL) -> jax.Array:
+def runs_per_row(segment_ids_BxL: jax.Array) -> jax.Array:
   """[B] number of runs (documents, and the padding run) in each row."""
-  return jnp.sum(run_starts(jnp.asarray(segment_ids_BxL)), axis=1)
+  return jnp.sum(run_starts(segment_ids_BxL), axis=1)
+
+
+def runs_per_row_np(segment_ids_BxL) -> np.ndarray:
+  """runs_per_row on the host, for a batch before it is dispatched."""
+  seg = np.asarray(segment_ids_BxL)
+  return 1 + np.sum(seg[:, 1:] != seg[:, :-1], axis=1)
 
 
 def segment_runs(segment_ids_BxL: jax.Array, max_segments: int):

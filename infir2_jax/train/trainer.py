@@ -17,6 +17,7 @@ from infir2_jax import parallel
 from infir2_jax.config import TrainConfig
 from infir2_jax.data import make_data
 from infir2_jax.model import Qwen2, init_params, projections
+from infir2_jax.model.attention import check_documents, uses_packed_documents
 from infir2_jax.precision import make_dot_general_factory, telemetry
 from infir2_jax.train import rundir
 from infir2_jax.train.checkpoint import Checkpointer, abstract_like, restore_params
@@ -53,6 +54,15 @@ class _Placement:
   batch: jax.sharding.NamedSharding
   replicated: jax.sharding.NamedSharding
 
+  packed_documents: bool  # attention bounds the documents per row (model.max_documents)
+  model_cfg: Any
+
+  def checked(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The host batch, after checking what the model's attention needs of it."""
+    if self.packed_documents:
+      check_documents(batch["segment_ids"], self.model_cfg)
+    return batch
+
   @contextlib.contextmanager
   def context(self):
     """The mesh and rules every traced call of the run needs."""
@@ -73,7 +83,9 @@ def _placement(cfg: TrainConfig) -> _Placement:
   parallel.check_fp8_alignment(projections(cfg.model), mesh, rules, cfg.precision,
                                batch_rows=micro_batch, seq_len=cfg.seq_len,
                                mode=cfg.mesh.fp8_alignment)
-  return _Placement(mesh, rules, parallel.batch_sharding(mesh, rules), parallel.replicated(mesh))
+  platform = mesh.devices.flat[0].platform
+  return _Placement(mesh, rules, parallel.batch_sharding(mesh, rules), parallel.replicated(mesh),
+                    uses_packed_documents(cfg.model, platform), cfg.model)
 
 
 def _make_data(cfg: TrainConfig, place: _Placement):
@@ -131,7 +143,7 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   steps = _jit_steps(cfg, model, optimizer, schedule, shardings, place)
   eval_batches = None
   if cfg.eval.every_steps > 0:
-    eval_batches = [_global_batch(b, place.batch, cfg.batch_size)
+    eval_batches = [_global_batch(place.checked(b), place.batch, cfg.batch_size)
                     for b in data.eval_batches(cfg.eval.batches)]
 
   writer = MetricsWriter(workdir, cfg.log, cfg.steps, start_step)
@@ -196,7 +208,8 @@ class _Loop:
       self.writer.write(0, {"eval_loss": last["eval_loss"]})
     pending = None  # (step, device metrics) of the previous step, read while the next one runs
     for step in range(self.start_step + 1, cfg.steps + 1):
-      batch = _global_batch(next(train_iter), self.place.batch, cfg.batch_size)
+      batch = _global_batch(self.place.checked(next(train_iter)), self.place.batch,
+                            cfg.batch_size)
       state, device_metrics = self.dispatch(step, state, batch)
       if pending is not None:  # read step N-1 while step N runs
         last = self.log(*pending)
