@@ -119,6 +119,12 @@ def run_one(args, label: str, seq_len: int) -> dict:
   noise = (args.noise_run and label == "bf16"
            and seq_len == max(int(s) for s in args.seq_lens.split(",")))
   noise_batches = _batches(cfg, total_steps, 1, args.data) if noise else None
+  from infir2_jax.model.attention import check_documents, uses_packed_documents
+  from infir2_jax.model.packed_attention import runs_per_row_np
+  documents = [int(runs_per_row_np(b["segment_ids"]).max()) for b in host_batches]
+  if uses_packed_documents(cfg.model, jax.default_backend()):
+    for b in host_batches + (noise_batches or []):  # as the trainer checks every batch
+      check_documents(b["segment_ids"], cfg.model)
   print(f"COMPILED in {compile_s:.1f} s", flush=True)
   from infir2_jax.bench.tools import GpuTelemetry
   telemetry = GpuTelemetry()  # SM clock and power over the steps (not the idle init compile)
@@ -165,6 +171,7 @@ def run_one(args, label: str, seq_len: int) -> dict:
       "compiled_argument_gib": getattr(memory, "argument_size_in_bytes", 0) / 2**30,
       "compiled_temp_gib": getattr(memory, "temp_size_in_bytes", 0) / 2**30,
       "compile_s": compile_s, "init_s": init_s, "losses": losses, "noise_losses": noise_losses,
+      "max_documents_per_row": max(documents),
       "step_times_s": times,
       "hlo_fp8_gemms": hlo_counts, "remat": cfg.model.remat, "attention": cfg.model.attention,
       "backend": cfg.precision.backend,
