@@ -2,6 +2,8 @@
 
   python benchmarks/data_loader.py --work=/tmp/data_bench \
       --out=benchmarks/results/data_loader_cpu.json
+  python benchmarks/data_loader.py --work=/tmp/data_resume \
+      --resume_check=benchmarks/results/data_resume_prepared_cpu.json
 
 1. prepare throughput: `python -m infir2_jax.data.prepare` on a JSONL corpus (Shakespeare's
    paragraphs, reshuffled per copy), with 1 and 2 worker processes.
@@ -14,6 +16,8 @@
 4. Loader throughput: tokens/s of one process iterating training batches of the 1.5B
    config's shape (8 x 4096) from the prepared corpus, page cache warm and evicted, and of
    one of 8 processes (1 row each), against the ~33k tokens/s one H200 consumes at 1.5B.
+5. (--resume_check) The smoke run of the default model on prepared Shakespeare, SIGKILLed
+   after its step-10 checkpoint and run again, against the same run uninterrupted.
 Each measurement runs in its own process; peak RSS is GNU time's maximum resident set size
 (for prepare: the largest of its processes), RssAnon/RssFile are the process's own
 /proc/self/status (RssFile: memory-mapped file pages, which the OS can drop at any time).
@@ -175,6 +179,59 @@ print("RESULT " + json.dumps({"steps": steps, "local_tokens_per_step": local,
 """
 
 
+def resume_check(work: pathlib.Path, out: str) -> None:
+  """The default smoke run on prepared Shakespeare, SIGKILLed after its step-10 checkpoint
+  and run again, against the same run uninterrupted: every loss must be equal."""
+  from infir2_jax.bench import tools as benchtools  # pylint: disable=g-import-not-at-top
+  res = {**benchtools.run_info(sys.argv, with_device=False)}
+  prep = work / "prep_shakespeare"
+  subprocess.run(["rm", "-rf", str(prep), str(work / "full"), str(work / "killed")], check=True)
+  subprocess.run([sys.executable, "-m", "infir2_jax.data.prepare", "--source=shakespeare",
+                  f"--out={prep}", "--val_fraction=0.05", "--no-progress"], cwd=ROOT, check=True,
+                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+  train = lambda wd: [sys.executable, "-m", "infir2_jax.train", "--config=configs/default.py:smoke",
+                      f"--config.data.source={prep}", f"--workdir={wd}",
+                      "--config.log.progress_bar=False"]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  subprocess.run(train(work / "full"), cwd=ROOT, env=env, check=True, capture_output=True)
+  proc = subprocess.Popen(train(work / "killed"), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  metrics = work / "killed" / "metrics.jsonl"
+  def logged_steps():
+    steps = []
+    for l in (metrics.read_text().splitlines() if metrics.exists() else []):
+      try:
+        m = json.loads(l)
+      except json.JSONDecodeError:  # a line being written
+        continue
+      if "loss" in m:
+        steps.append(m["step"])
+    return steps
+  while proc.poll() is None:  # kill once step 12 is logged (the step-10 checkpoint is done)
+    if max(logged_steps(), default=0) >= 12:
+      proc.kill()
+      break
+    time.sleep(0.05)
+  proc.wait()
+  killed_at = max(logged_steps())
+  subprocess.run(train(work / "killed"), cwd=ROOT, env=env, check=True, capture_output=True)
+
+  def losses(wd):  # the last time each step was logged
+    out = {}
+    for l in (wd / "metrics.jsonl").read_text().splitlines():
+      m = json.loads(l)
+      for k in ("loss", "eval_loss"):
+        if k in m:
+          out[f"{k}@{m['step']}"] = m[k]
+    return out
+  full, resumed = losses(work / "full"), losses(work / "killed")
+  res.update(killed_after_step=killed_at, returncode_of_killed=proc.returncode,
+             command=" ".join(train("WORKDIR")[1:]), losses_full=full, losses_resumed=resumed,
+             bit_identical=full == resumed)
+  pathlib.Path(out).write_text(json.dumps(res, indent=1) + "\n")
+  print(json.dumps({k: res[k] for k in ("killed_after_step", "bit_identical")}))
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--work", default="/tmp/data_bench")
@@ -182,8 +239,11 @@ def main():
   p.add_argument("--synth_tokens", type=int, default=2_500_000_000)
   p.add_argument("--copies", default="4,15", help="JSONL corpora: copies of the paragraphs")
   p.add_argument("--train_steps", type=int, default=5)
+  p.add_argument("--resume_check", default="", help="only the SIGKILL check, into this JSON")
   args = p.parse_args()
   work = pathlib.Path(args.work)
+  if args.resume_check:
+    return resume_check(work, args.resume_check)
   from infir2_jax.bench import tools as benchtools  # pylint: disable=g-import-not-at-top
   res = {**benchtools.run_info(sys.argv, with_device=False), "cpu_count": os.cpu_count(),
          "load_average_at_start": os.getloadavg(), "h200_tokens_per_s_1p5b": H200_TOKENS_PER_S_1P5B}

@@ -63,7 +63,7 @@ def in_memory_rows(src, seq_len=16):
 
 def prepared_rows(out, split="train", seq_len=16):
   p = shards.open_prepared(str(out))
-  return shards.ShardedStreamRows(p.parts[split], p.dtype, seq_len, 0), p
+  return shards.ShardedStreamRows(p.parts[split], p.dtype, seq_len, 0, 0), p
 
 
 def same_rows(a, b):
@@ -219,3 +219,13 @@ def test_command_line_prints_a_summary(tmp_path):
   assert "3 files" in proc.stdout and "bad records (empty text: 1, invalid JSON: 1)" in (
       proc.stdout)
   assert "prepare" in proc.stderr   # the progress bar
+
+
+def test_endoftext_made_from_text_is_refused(tmp_path):
+  """Readers end a document at every <|endoftext|>: one made from text would split it."""
+  chunk = chunks_lib.Chunk(0, "text", "x.txt", 0, 1, [b"a <|endoftext|> b"], 0)
+  cfg = {"dtype": "<u2", "text_key": "text", "val_fraction": 0.0, "eos": 0}
+  tok = T.load_tokenizer("default")
+  assert chunks_lib.encode_documents(chunk, T.literal_copy(tok), cfg).records == 1
+  with pytest.raises(ValueError, match="made <\\|endoftext\\|> .* out of document text"):
+    chunks_lib.encode_documents(chunk, tok, cfg)

@@ -65,8 +65,9 @@ def test_prepared_source_gives_the_in_memory_batches(tmp_path):
 def test_start_up_reads_no_tokens_and_each_process_reads_its_slice(tmp_path, monkeypatch):
   _, out = prepared(tmp_path)
   opened = []
-  memmap = np.memmap
-  monkeypatch.setattr(np, "memmap", lambda *a, **k: opened.append(a[0]) or memmap(*a, **k))
+  get = shards._Maps.get  # pylint: disable=protected-access
+  monkeypatch.setattr(shards._Maps, "get", lambda self, path, dtype: opened.append(path)
+                      or get(self, path, dtype))
   whole = mk(tmp_path, out)()
   assert not opened   # the index only: start-up does not grow with the corpus
   read = []
@@ -78,6 +79,7 @@ def test_start_up_reads_no_tokens_and_each_process_reads_its_slice(tmp_path, mon
   read.clear()
   p1 = take(iter(parts[1].train), 3)
   assert [len(r) for r in read] == [2, 2, 2]   # 2 of the 4 rows of each global batch
+  assert opened and all(f.endswith(".train.tok") for f in opened)   # tokens only
   p0 = take(iter(parts[0].train), 3)
   for x, a, b in zip(w, p0, p1):
     for k in x:

@@ -243,7 +243,12 @@ def encode_documents(chunk: Chunk, tok: tokenizers.Tokenizer, cfg: dict) -> Enco
     out[split][0].append(np.asarray(doc, dtype))
     out[split][1].append(len(doc))
   cat = lambda xs, t: np.concatenate(xs).astype(t, copy=False) if xs else np.zeros(0, t)
-  return Encoded(tokens={s: cat(out[s][0], dtype) for s in out},
+  tokens = {s: cat(out[s][0], dtype) for s in out}
+  for s, ids_s in tokens.items():  # readers take every <|endoftext|> for a document's end
+    if int(np.count_nonzero(ids_s == cfg["eos"])) != len(out[s][1]):
+      raise ValueError(f"{chunk.where}: the tokenizer made <|endoftext|> (id {cfg['eos']}) "
+                       "out of document text; prepared data needs it only between documents")
+  return Encoded(tokens=tokens,
                  lengths={s: np.asarray(out[s][1], np.int64) for s in out},
                  records=len(texts), chars=sum(len(t) for t in texts), bad=bad,
                  bad_examples=examples)

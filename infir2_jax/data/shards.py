@@ -15,14 +15,16 @@ Why flat token files and memory maps rather than ArrayRecord: a training row is 
 consecutive tokens of the packed stream and crosses document boundaries, so reading a row
 is one slice of a flat array (no decoding, no copy beyond the row, pages shared through the
 OS cache); a record per document would mean reading and joining every record a row
-touches. Document ends are a flat sorted array, searched by bisection. Nothing is loaded at
-start-up except the index (a few hundred bytes per shard): host memory and start-up time do
-not grow with the number of tokens.
+touches. Nothing is loaded at start-up except the index (a few hundred bytes per shard):
+host memory and start-up time do not grow with the number of tokens. The .ends files
+(document boundaries) are what the index's counts are checked against; rows find their
+documents from the <|endoftext|> tokens themselves.
 """
 
 import collections
 import dataclasses
 import json
+import mmap
 import os
 import pathlib
 import threading
@@ -118,7 +120,7 @@ def open_prepared(path: str) -> Prepared:
 
 
 class _Maps:
-  """Memory maps of shard files, at most MAX_OPEN open (least recently used closed first)."""
+  """Read-only maps of shard files, at most MAX_OPEN open (least recently used dropped)."""
 
   def __init__(self):
     self._open: collections.OrderedDict = collections.OrderedDict()
@@ -130,11 +132,15 @@ class _Maps:
       if arr is not None:
         self._open.move_to_end(path)
         return arr
-    arr = np.memmap(path, dtype=dtype, mode="r")
+    with open(path, "rb") as f:
+      mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    # Rows are read at random: the kernel's read-ahead would read ~100x what a row needs.
+    mm.madvise(mmap.MADV_RANDOM)
+    arr = np.frombuffer(mm, dtype=dtype)  # holds the map until the last slice is gone
     with self._lock:
       self._open[path] = arr
       while len(self._open) > MAX_OPEN:
-        self._open.popitem(last=False)  # readers still holding a slice keep its map alive
+        self._open.popitem(last=False)
     return arr
 
 
@@ -142,18 +148,19 @@ class ShardedStreamRows:
   """packing.StreamRows over the concatenation of parts on disk, read row by row.
 
   Row r is stream tokens [r*L, r*L + L] (one token shared with the next row), exactly as
-  StreamRows cuts an in-memory stream; every part ends with a whole document.
+  StreamRows cuts an in-memory stream; every part ends with a whole document. Reading a
+  row reads those L+1 tokens and nothing else: a document ends at each <|endoftext|>,
+  which prepared text never contains otherwise (special tokens in text are encoded as
+  text), so the segments come from the tokens and the .ends files are not consulted.
   """
 
-  def __init__(self, parts: list[Part], dtype: np.dtype, seq_len: int, pad_id: int):
+  def __init__(self, parts: list[Part], dtype: np.dtype, seq_len: int, pad_id: int, eos: int):
     self.parts = list(parts)
     self.dtype = np.dtype(dtype)
-    self.seq_len = seq_len
-    self.pad_id = pad_id
+    self.seq_len, self.pad_id, self.eos = seq_len, pad_id, eos
     self.starts = np.cumsum([0] + [p.tokens for p in self.parts]).astype(np.int64)
-    self.doc_starts = np.cumsum([0] + [p.docs for p in self.parts]).astype(np.int64)
     n = int(self.starts[-1])
-    self.num_tokens, self.num_records = n, int(self.doc_starts[-1])
+    self.num_tokens, self.num_records = n, sum(p.docs for p in self.parts)
     self.num_rows = -(-(n - 1) // seq_len) if n > 1 else 0
     self._maps = _Maps()
 
@@ -169,42 +176,33 @@ class ShardedStreamRows:
     self.__dict__.update(state)
     self._maps = _Maps()
 
-  def _span(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens and global document numbers of stream positions [lo, hi)."""
-    toks, docs = [], []
+  def _tokens(self, lo: int, hi: int) -> np.ndarray:
+    """Stream tokens [lo, hi), across parts."""
+    out = []
     k = int(np.searchsorted(self.starts, lo, side="right")) - 1
     while lo < hi:
-      part, base = self.parts[k], int(self.starts[k])
-      a, b = lo - base, min(hi, int(self.starts[k + 1])) - base
-      toks.append(self._maps.get(part.tok, self.dtype)[a:b])
-      ends = self._maps.get(part.ends, ENDS_DTYPE)
-      first = int(np.searchsorted(ends, a, side="right"))
-      last = int(np.searchsorted(ends, b, side="right"))
-      near = np.asarray(ends[first:last])  # the document ends inside (a, b]
-      docs.append(self.doc_starts[k] + first
-                  + np.searchsorted(near, np.arange(a, b), side="right"))
-      lo, k = base + b, k + 1
-    return np.concatenate(toks).astype(np.int32), np.concatenate(docs)
+      base, end = int(self.starts[k]), int(self.starts[k + 1])
+      out.append(self._maps.get(self.parts[k].tok, self.dtype)[lo - base:min(hi, end) - base])
+      lo, k = min(hi, end), k + 1
+    return np.concatenate(out).astype(np.int32)
 
   def rows(self, row_ids: np.ndarray) -> dict[str, np.ndarray]:
     L, n = self.seq_len, self.num_tokens
     row_ids = np.asarray(row_ids, np.int64)
     tok_BxL1 = np.empty((len(row_ids), L + 1), np.int32)
-    doc_BxL1 = np.empty((len(row_ids), L + 1), np.int64)
     for b, r in enumerate(row_ids):
       lo = int(r) * L
       hi = min(lo + L + 1, n)
-      t, d = self._span(lo, hi)
-      # Past the stream's end StreamRows repeats its last token (masked out below).
-      tok_BxL1[b, :hi - lo], tok_BxL1[b, hi - lo:] = t, t[-1]
-      doc_BxL1[b, :hi - lo], doc_BxL1[b, hi - lo:] = d, d[-1]
+      tok_BxL1[b, :hi - lo] = self._tokens(lo, hi)
+      tok_BxL1[b, hi - lo:] = tok_BxL1[b, hi - lo - 1]  # as StreamRows: masked out below
     valid_BxL = (row_ids[:, None] * L + np.arange(1, L + 1)) <= n - 1  # a target exists
-    seg_BxL = np.where(valid_BxL, doc_BxL1[:, :-1] - doc_BxL1[:, :1] + 1, 0)
-    same_doc_BxL = doc_BxL1[:, :-1] == doc_BxL1[:, 1:]
+    ends_doc_BxL = tok_BxL1[:, :-1] == self.eos   # the next position starts a new document
+    doc_BxL = np.cumsum(ends_doc_BxL, axis=1) - ends_doc_BxL   # documents ended before j
+    seg_BxL = np.where(valid_BxL, doc_BxL + 1, 0)
     return {
         "inputs": np.where(valid_BxL, tok_BxL1[:, :-1], self.pad_id),
         "targets": np.where(valid_BxL, tok_BxL1[:, 1:], self.pad_id),
         "segment_ids": seg_BxL.astype(np.int32),
         "positions": packing.positions_in_segment(seg_BxL),
-        "loss_mask": (valid_BxL & same_doc_BxL).astype(np.float32),
+        "loss_mask": (valid_BxL & ~ends_doc_BxL).astype(np.float32),
     }

@@ -92,15 +92,14 @@ def _prepared(cfg, spec, val_spec, tok, special, seq_len) -> SourceRows:
   counts = collections.Counter()
   for p in preps:
     counts.update(p.totals["bad"])
-  train = shards.ShardedStreamRows([x for p in preps for x in p.parts["train"]], dtype,
-                                   seq_len, special.pad)
+  rows = lambda parts: shards.ShardedStreamRows(parts, dtype, seq_len, special.pad, special.eos)
+  train = rows([x for p in preps for x in p.parts["train"]])
   val, bad = None, []
   if val_spec:
     if _prepared_items(val_spec):
       vals = [_open_checked(p, cfg, tok) for p in _prepared_items(val_spec)]
-      val = shards.ShardedStreamRows(  # every document of a validation source validates
-          [x for p in vals for s in shards.SPLITS for x in p.parts[s]], dtype, seq_len,
-          special.pad)
+      # Every document of a validation source validates.
+      val = rows([x for p in vals for s in shards.SPLITS for x in p.parts[s]])
     else:
       enc = encoded_lib.encode_files(sources.resolve_sources(val_spec, cfg.format,
                                                              cfg.cache_dir), cfg, tok, special)
@@ -110,8 +109,7 @@ def _prepared(cfg, spec, val_spec, tok, special, seq_len) -> SourceRows:
     if not any(p.parts["val"] for p in preps):
       raise ValueError(f"{spec!r} was prepared without a validation split (--val_fraction=0):"
                        " set data.val_fraction=0 (no validation) or data.val_source")
-    val = shards.ShardedStreamRows([x for p in preps for x in p.parts["val"]], dtype, seq_len,
-                                   special.pad)
+    val = rows([x for p in preps for x in p.parts["val"]])
   return SourceRows(train, val, bad, counts, prepared=True)
 
 
