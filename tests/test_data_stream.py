@@ -65,9 +65,9 @@ def test_prepared_source_gives_the_in_memory_batches(tmp_path):
 def test_start_up_reads_no_tokens_and_each_process_reads_its_slice(tmp_path, monkeypatch):
   _, out = prepared(tmp_path)
   opened = []
-  get = shards._Maps.get  # pylint: disable=protected-access
-  monkeypatch.setattr(shards._Maps, "get", lambda self, path, dtype: opened.append(path)
-                      or get(self, path, dtype))
+  file_read = shards._Files.read  # pylint: disable=protected-access
+  monkeypatch.setattr(shards._Files, "read", lambda self, path, *a: opened.append(path)
+                      or file_read(self, path, *a))
   whole = mk(tmp_path, out)()
   assert not opened   # the index only: start-up does not grow with the corpus
   read = []

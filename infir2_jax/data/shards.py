@@ -1,4 +1,4 @@
-"""Prepared corpora: token shards on disk with a JSON index, read through memory maps.
+"""Prepared corpora: token shards on disk with a JSON index, read a row at a time.
 
 A prepared directory (written by `python -m infir2_jax.data.prepare`, see prepare.py):
 
@@ -11,20 +11,20 @@ A prepared directory (written by `python -m infir2_jax.data.prepare`, see prepar
   OUT/shards/F-P.train.ends       int64 end offset of each document in its .tok file
   OUT/shards/F-P.val.ends
 
-Why flat token files and memory maps rather than ArrayRecord: a training row is L+1
-consecutive tokens of the packed stream and crosses document boundaries, so reading a row
-is one slice of a flat array (no decoding, no copy beyond the row, pages shared through the
-OS cache); a record per document would mean reading and joining every record a row
-touches. Nothing is loaded at start-up except the index (a few hundred bytes per shard):
-host memory and start-up time do not grow with the number of tokens. The .ends files
-(document boundaries) are what the index's counts are checked against; rows find their
-documents from the <|endoftext|> tokens themselves.
+Why flat token files rather than ArrayRecord: a training row is L+1 consecutive tokens of
+the packed stream and crosses document boundaries, so reading a row is one read of one
+byte range (no decoding, no index lookup, the OS page cache shared by every process of a
+host); a record per document would mean reading and joining every record a row touches.
+Rows are read with pread rather than through memory maps, which would count every cached
+page a process ever touched as its resident memory. Nothing is loaded at start-up except
+the index (a few hundred bytes per shard): host memory and start-up time do not grow with
+the number of tokens. Rows find their documents from the <|endoftext|> tokens themselves;
+the .ends files (each document's end) are there for tools that want whole documents.
 """
 
 import collections
 import dataclasses
 import json
-import mmap
 import os
 import pathlib
 import threading
@@ -39,7 +39,7 @@ FORMAT = "infir2_jax.prepared"
 VERSION = 1
 SPLITS = ("train", "val")
 ENDS_DTYPE = np.dtype("<i8")
-MAX_OPEN = 128  # memory maps kept open (each holds a file descriptor)
+MAX_OPEN = 64   # shard files kept open per reading thread
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -119,29 +119,30 @@ def open_prepared(path: str) -> Prepared:
   return Prepared(str(root), meta["settings"], dtype, parts, meta["totals"])
 
 
-class _Maps:
-  """Read-only maps of shard files, at most MAX_OPEN open (least recently used dropped)."""
+class _Files:
+  """Shard files open for reading, per thread (so no thread closes another's), at most
+  MAX_OPEN per thread, least recently used closed first."""
 
   def __init__(self):
-    self._open: collections.OrderedDict = collections.OrderedDict()
-    self._lock = threading.Lock()
+    self._local = threading.local()
 
-  def get(self, path: str, dtype: np.dtype) -> np.ndarray:
-    with self._lock:
-      arr = self._open.get(path)
-      if arr is not None:
-        self._open.move_to_end(path)
-        return arr
-    with open(path, "rb") as f:
-      mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    # Rows are read at random: the kernel's read-ahead would read ~100x what a row needs.
-    mm.madvise(mmap.MADV_RANDOM)
-    arr = np.frombuffer(mm, dtype=dtype)  # holds the map until the last slice is gone
-    with self._lock:
-      self._open[path] = arr
-      while len(self._open) > MAX_OPEN:
-        self._open.popitem(last=False)
-    return arr
+  def read(self, path: str, dtype: np.dtype, lo: int, hi: int) -> np.ndarray:
+    """Elements [lo, hi) of the file of `dtype` elements at `path`."""
+    files = self._local.__dict__.setdefault("files", collections.OrderedDict())
+    f = files.get(path)
+    if f is None:
+      f = open(path, "rb", buffering=0)  # pylint: disable=consider-using-with
+      # Rows are read at random: read-ahead would read ~100x what a row needs.
+      os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+      files[path] = f
+      while len(files) > MAX_OPEN:
+        files.popitem(last=False)[1].close()
+    files.move_to_end(path)
+    size = dtype.itemsize
+    data = os.pread(f.fileno(), (hi - lo) * size, lo * size)
+    if len(data) != (hi - lo) * size:
+      raise ValueError(f"{path} is shorter than its index says: prepare it again")
+    return np.frombuffer(data, dtype)
 
 
 class ShardedStreamRows:
@@ -162,19 +163,19 @@ class ShardedStreamRows:
     n = int(self.starts[-1])
     self.num_tokens, self.num_records = n, sum(p.docs for p in self.parts)
     self.num_rows = -(-(n - 1) // seq_len) if n > 1 else 0
-    self._maps = _Maps()
+    self._files = _Files()
 
   def __len__(self) -> int:
     return self.num_rows
 
-  def __getstate__(self):  # grain worker processes open their own maps
+  def __getstate__(self):  # grain worker processes open their own files
     state = dict(self.__dict__)
-    del state["_maps"]
+    del state["_files"]
     return state
 
   def __setstate__(self, state):
     self.__dict__.update(state)
-    self._maps = _Maps()
+    self._files = _Files()
 
   def _tokens(self, lo: int, hi: int) -> np.ndarray:
     """Stream tokens [lo, hi), across parts."""
@@ -182,7 +183,7 @@ class ShardedStreamRows:
     k = int(np.searchsorted(self.starts, lo, side="right")) - 1
     while lo < hi:
       base, end = int(self.starts[k]), int(self.starts[k + 1])
-      out.append(self._maps.get(self.parts[k].tok, self.dtype)[lo - base:min(hi, end) - base])
+      out.append(self._files.read(self.parts[k].tok, self.dtype, lo - base, min(hi, end) - base))
       lo, k = min(hi, end), k + 1
     return np.concatenate(out).astype(np.int32)
 
