@@ -167,7 +167,7 @@ def _chunks(out, files, todo, settings, progress):
 
 def _ordered(tasks, workers: int, cfg: dict):
   """(chunk, encoded) in chunk order; at most 2 x workers chunks in flight."""
-  if workers <= 1:  # in this process (tests, or a single core)
+  if workers <= 1:  # in this process, where the tokenizer's own threads use every core
     tok = tokenizer_lib.literal_copy(tokenizer_lib.load_tokenizer(cfg["tokenizer"],
                                                                   cache_dir=cfg["cache_dir"]))
     for t in tasks:
