@@ -92,6 +92,7 @@ def test_validation_split_of_a_prepared_source(tmp_path):
   index = json.loads((out / shards.INDEX).read_text())
   assert data.stats["val"].records == index["totals"]["val_docs"] > 0
   assert data.stats["train"].records == index["totals"]["train_docs"]
+  assert data.stats["val_source"] == "held out when prepared"
   assert_same(data.eval_batches(), mk(tmp_path, out, val_fraction=0.05, seed=5)().eval_batches())
   assert mk(tmp_path, out)().num_eval_batches() == 0       # data.val_fraction=0: none
   _, no_val = prepared(tmp_path, "nv")

@@ -185,7 +185,9 @@ def make_data(cfg: DataConfig, *, seq_len: int, global_batch_size: int, seed: in
   counts = collections.Counter()
   for x in built:
     counts.update(x.bad_counts)
-  stats = {"source": source, "val_source": val_source or f"{cfg.val_fraction:g} of source",
+  held_out = ("held out when prepared" if all(x.prepared for x in built)
+              else f"{cfg.val_fraction:g} of source")
+  stats = {"source": source, "val_source": val_source or held_out,
            "train": _split(*[x.train for x in built]),
            "val": _split(*[x.val for x in built if x.val is not None]),
            "bad_records": dict(counts), "prepared": all(x.prepared for x in built)}
