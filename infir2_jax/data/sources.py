@@ -10,7 +10,9 @@ import logging
 import lzma
 import os
 import pathlib
+import re
 from typing import Any
+import zlib
 
 from infir2_jax.data import corpus
 from infir2_jax.data.config import DataConfig
@@ -18,6 +20,9 @@ from infir2_jax.data.config import DataConfig
 TEXT_EXTS = (".txt", ".md", ".py")
 RECORD_EXTS = (".jsonl", ".parquet")
 COMPRESSIONS = {".gz": gzip.decompress, ".xz": lzma.decompress, ".bz2": bz2.decompress}
+DECOMPRESS_ERRORS = (OSError, EOFError, lzma.LZMAError, zlib.error)
+# C0 control characters other than \t \n \v \f \r and ESC: rare in text, common in binary.
+_CONTROLS = re.compile("[\x00-\x08\x0e-\x1a\x1c-\x1f\x7f]")
 PRETRAIN_BUILTINS = ("shakespeare", "stdlib")
 CHAT_BUILTINS = ("champ", "champ_heldout", "humaneval")
 
@@ -114,7 +119,42 @@ def _read_bytes(path: pathlib.Path) -> tuple[bytes, str]:
   raw = path.read_bytes()
   digest = hashlib.sha256(raw).hexdigest()
   decompress = COMPRESSIONS.get(path.suffix.lower())
-  return (decompress(raw) if decompress else raw), digest
+  if not decompress:
+    return raw, digest
+  try:
+    return decompress(raw), digest
+  except DECOMPRESS_ERRORS as e:
+    raise not_compressed_error(path, e) from e
+
+
+def not_compressed_error(path: os.PathLike, e: Exception) -> ValueError:
+  """The error for a file whose name says compressed but whose bytes are not (or are cut)."""
+  ext = pathlib.Path(path).suffix
+  return ValueError(f"{path}: not a valid {ext} file ({type(e).__name__}: {e}); its name "
+                    f"ends in {ext} but its bytes are not {ext[1:]}-compressed (or are cut "
+                    "short): fix the file or its name")
+
+
+def decode_document(raw: bytes) -> tuple[str, str]:
+  """(text, "") for UTF-8 text, ("", reason) for bytes that are not text.
+
+  Strict: a replacement character per bad byte would train on U+FFFD (and random bytes
+  would train as a document; `document_text` also rejects binary data that is valid UTF-8).
+  """
+  try:
+    return raw.decode("utf-8"), ""
+  except UnicodeDecodeError as e:
+    return "", f"not UTF-8: byte {e.start} is {raw[e.start:e.start + 1]!r}"
+
+
+def binary_reason(text: str) -> str:
+  """"" for text, else why `text` looks like binary data (NUL or many control characters)."""
+  if "\x00" in text:
+    return "binary data: NUL characters"
+  controls = len(_CONTROLS.findall(text))
+  if controls > max(8, 0.01 * len(text)):
+    return f"binary data: {controls} control characters in {len(text)}"
+  return ""
 
 
 def read_records(path: pathlib.Path, cfg: DataConfig) -> FileRecords:
@@ -131,18 +171,25 @@ def read_records(path: pathlib.Path, cfg: DataConfig) -> FileRecords:
   if k == "text":
     if cfg.format == "chat":
       raise ValueError(f"{path}: chat data must be .jsonl or .parquet records, not text")
-    text = data.decode("utf-8", errors="replace")
-    parts = text.split(cfg.doc_separator) if cfg.doc_separator else [text]
-    values = [(f"{path}#doc{i}", t) for i, t in enumerate(parts)]
+    sep = cfg.doc_separator.encode("utf-8")
+    for i, part in enumerate(data.split(sep) if sep else [data]):
+      text, reason = decode_document(part)
+      if reason:
+        bad.append((f"{path}#doc{i}", reason))
+      else:
+        values.append((f"{path}#doc{i}", text))
   elif k == "jsonl":
-    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines()):
+    # Bytes split only at \n, \r\n and \r, which JSON strings cannot hold raw (str's
+    # splitlines would also cut at U+2028 and friends inside strings).
+    for i, line in enumerate(data.splitlines()):
       if not line.strip():
         continue
       where = f"{path}:{i + 1}"
-      try:
-        values.append((where, json.loads(line)))
-      except json.JSONDecodeError as e:
-        bad.append((where, f"invalid JSON: {e.msg}"))
+      value, reason = parse_json_line(line)
+      if reason:
+        bad.append((where, reason))
+      else:
+        values.append((where, value))
   elif k == "parquet":
     column = cfg.text_key if cfg.format == "pretrain" else cfg.messages_key
     values = [(f"{path}#row{i}", {column: v}) for i, v in enumerate(_parquet(path, data, column))]
@@ -152,7 +199,7 @@ def read_records(path: pathlib.Path, cfg: DataConfig) -> FileRecords:
   records = []
   for i, (where, value) in enumerate(values):
     if cfg.format == "pretrain":
-      value, reason = _document_text(value, cfg.text_key)
+      value, reason = document_text(value, cfg.text_key)
       if reason:
         bad.append((where, reason))
         continue
@@ -160,7 +207,20 @@ def read_records(path: pathlib.Path, cfg: DataConfig) -> FileRecords:
   return FileRecords(path=path, sha256=digest, records=records, bad=bad)
 
 
-def _document_text(value: Any, text_key: str) -> tuple[str, str]:
+def parse_json_line(line: bytes) -> tuple[Any, str]:
+  """(record, "") or (None, reason) for one .jsonl line (strict UTF-8, then JSON)."""
+  try:
+    text = line.decode("utf-8")
+  except UnicodeDecodeError as e:
+    return None, f"not UTF-8: byte {e.start} is {line[e.start:e.start + 1]!r}"
+  try:
+    return json.loads(text), ""
+  except json.JSONDecodeError as e:
+    return None, f"invalid JSON: {e.msg}"
+
+
+def document_text(value: Any, text_key: str) -> tuple[str, str]:
+  """(text, "") of a pre-training record (a str or a dict with `text_key`), or ("", reason)."""
   if isinstance(value, dict):
     if text_key not in value:
       return "", f"missing text field: no {text_key!r} (fields: {sorted(value)[:8]})"
@@ -169,7 +229,11 @@ def _document_text(value: Any, text_key: str) -> tuple[str, str]:
     return "", f"text not a string: {text_key!r} is {type(value).__name__}"
   if not value.strip():
     return "", "empty text"
-  return value, ""
+  try:
+    value.encode("utf-8")
+  except UnicodeEncodeError as e:  # a lone surrogate from a JSON escape: no tokenizer takes it
+    return "", f"not UTF-8: character {e.start} is a lone surrogate"
+  return value, binary_reason(value)
 
 
 def _parquet(path: pathlib.Path, data: bytes, column: str) -> list[Any]:
@@ -191,7 +255,9 @@ def split_documents(keys: list[str], sizes: list[int],
 
   Documents are ranked by a hash of their key (content hash + index), so the split does
   not depend on the seed, the tokenizer or the file names; validation takes documents in
-  that order until it holds `val_fraction` of the total size.
+  that order until it holds `val_fraction` of the total size. A document that would take
+  validation past twice that share stays in training (one huge document must not become
+  the whole validation split); if every document is that large, the smallest is held out.
   """
   if val_fraction <= 0:
     return list(range(len(keys))), []
@@ -199,12 +265,22 @@ def split_documents(keys: list[str], sizes: list[int],
     raise ValueError(f"a validation split by document needs >= 2 documents, got {len(keys)}; "
                      "set data.val_fraction=0, data.doc_separator, or data.val_source")
   order = sorted(range(len(keys)), key=lambda i: hashlib.sha256(keys[i].encode()).digest())
-  target = val_fraction * sum(sizes)
+  total = sum(sizes)
+  target = val_fraction * total
   val, held = [], 0
   for i in order[:-1]:  # always leave one training document
     if held >= target:
       break
+    if held + sizes[i] > 2 * target:
+      continue
     val.append(i)
     held += sizes[i]
+  if not val:
+    val = [min(order, key=lambda i: sizes[i])]
+    held = sizes[val[0]]
+  if held > 2 * target:
+    logging.warning("the validation split holds %.1f%% of the text (data.val_fraction=%g): "
+                    "%d documents are too few or too large to hold out less; consider "
+                    "data.val_source", 100 * held / max(total, 1), val_fraction, len(keys))
   val_set = set(val)
   return [i for i in range(len(keys)) if i not in val_set], sorted(val)
