@@ -26,6 +26,7 @@ from infir2_jax.data import encoded as encoded_lib
 from infir2_jax.data import packing
 from infir2_jax.data import sources
 from infir2_jax.data import tokenizer as tokenizer_lib
+from infir2_jax.data import workers
 from infir2_jax.data.config import DataConfig
 
 
@@ -208,7 +209,8 @@ def _train_dataset(rows, cfg: DataConfig, global_batch_size: int, seed: int, *, 
     # grain's worker processes read an absl flag; outside an absl app nothing parsed them.
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()
-    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers),
+                        worker_init_fn=workers.exit_with_parent)
   return ds
 
 
