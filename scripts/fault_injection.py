@@ -3,7 +3,8 @@ checkpoints; reports whether the run came out as if nothing had happened.
 
   python scripts/fault_injection.py [--kills=10] [--seed=0] [--during_save=0.3]
       [--damage=all|none|flip_byte,random_4k,...] [--workdir=/tmp/fault_injection]
-      [--out=fault_injection.json] [trainer flags: --config=... --config.a.b=v ...]
+      [--out=fault_injection.json] [--reuse_reference]
+      [trainer flags: --config=... --config.a.b=v ...]
 
 1. The reference: the trainer (`python -m infir2_jax.train` with your flags) runs once,
    uninterrupted.
@@ -118,8 +119,13 @@ def _descendants(pid):
     return []
 
 
-def one_kill(trainer_args, workdir, rng, step_time, total_steps, during_save, log):
-  """Starts the trainer, SIGKILLs it at a random moment; returns what happened."""
+def one_kill(trainer_args, workdir, rng, step_time, total_steps, during_save, kills_left,
+             log):
+  """Starts the trainer, SIGKILLs it at a random moment; returns what happened.
+
+  The moment is uniform in the next 2 / (kills_left + 1) of the remaining training, so the
+  kills spread over the whole run rather than bunching up at its end.
+  """
   logged_before = len(_train_records(workdir))
   proc = _start(trainer_args, workdir, log)
   t0 = time.monotonic()
@@ -140,7 +146,7 @@ def one_kill(trainer_args, workdir, rng, step_time, total_steps, during_save, lo
       time.sleep(0.002)
   else:
     remaining = max(total_steps - max(_train_records(workdir)), 0) * step_time
-    end = time.monotonic() + rng.uniform(0, remaining)
+    end = time.monotonic() + rng.uniform(0, 2 * remaining / (kills_left + 1))
     while time.monotonic() < end and proc.poll() is None:
       time.sleep(0.01)
   children = _descendants(proc.pid)
@@ -305,7 +311,8 @@ def kills_experiment(args, trainer_args, reference, steps, step_time):
   kills = []
   with open(workdir + ".log", "wb") as log:
     for i in range(args.kills):
-      kill = one_kill(trainer_args, workdir, rng, step_time, steps, args.during_save, log)
+      kill = one_kill(trainer_args, workdir, rng, step_time, steps, args.during_save,
+                      args.kills - i, log)
       kills.append(kill)
       print(f"kill {i + 1}/{args.kills}: {kill}", flush=True)
       if kill.get("finished_before_kill"):
@@ -356,8 +363,8 @@ def _table(report):
           "--- | --- |"]
   if s:
     rows.append(f"| SIGKILL at random moments ({s['kills_during_checkpoint_write']} during a "
-                f"checkpoint write) | {s['kills']} | {s['resumed_from_a_checkpoint']} from a checkpoint, "
-                f"the others from scratch | {s['steps_lost']} | "
+                f"checkpoint write) | {s['kills']} | {s['resumed_from_a_checkpoint']} from a "
+                f"checkpoint, the others from scratch | {s['steps_lost']} | "
                 f"{s['final_state_equal']} | {s['losses_equal'] and s['evals_equal']} | "
                 f"{s['tensorboard_missing_steps'] == 0}, {s['tensorboard_torn_files']} |")
   for d in report.get("damage", []):
@@ -369,6 +376,8 @@ def _table(report):
 
 
 def main():
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  absl_logging.set_verbosity(absl_logging.ERROR)   # orbax's notes on every read
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--kills", type=int, default=10)
   parser.add_argument("--seed", type=int, default=0)
@@ -378,6 +387,8 @@ def main():
   parser.add_argument("--workdir", default="/tmp/fault_injection")
   parser.add_argument("--out", default="fault_injection.json")
   parser.add_argument("--timeout", type=float, default=3600)
+  parser.add_argument("--reuse_reference", action="store_true",
+                      help="keep WORKDIR/reference from an earlier call with the same flags")
   args, trainer_args = parser.parse_known_args()
   if any(a.startswith("--workdir") for a in trainer_args):
     parser.error("--workdir is the script's own (the run directories go under it)")
@@ -385,8 +396,15 @@ def main():
            if args.damage == "none" else args.damage.split(","))
   os.makedirs(args.workdir, exist_ok=True)
   reference = os.path.join(args.workdir, "reference")
-  shutil.rmtree(reference, ignore_errors=True)
-  seconds, startup = run_to_end(trainer_args, reference, args.timeout)
+  timing_file = os.path.join(args.workdir, "reference_timing.json")
+  timing = json.load(open(timing_file)) if os.path.exists(timing_file) else None
+  if not (args.reuse_reference and timing and timing["trainer_args"] == trainer_args):
+    shutil.rmtree(reference, ignore_errors=True)
+    seconds, startup = run_to_end(trainer_args, reference, args.timeout)
+    timing = {"trainer_args": trainer_args, "seconds": seconds, "startup": startup}
+    with open(timing_file, "w") as f:
+      json.dump(timing, f)
+  seconds, startup = timing["seconds"], timing["startup"]
   steps = max(_metrics(reference)[0])
   step_time = (seconds - startup) / steps   # wall time per step, checkpoints and evals in
   print(f"reference: {steps} steps in {seconds:.0f} s ({startup:.0f} s to the first step, "
