@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
 import types
 import typing
@@ -26,6 +27,25 @@ from infir2_jax.parallel.mesh import MeshConfig
 from infir2_jax.precision.config import PrecisionConfig
 
 
+def check_range(key: str, value, lo: float = -math.inf, hi: float = math.inf, *,
+                lo_open: bool = False, hi_open: bool = False) -> None:
+  """Raises a ValueError naming `key` unless `value` is a finite number in the interval.
+
+  NaN and +-inf are always out of range: `--config.opt.lr=1e999` parses as inf.
+  """
+  inside = (math.isfinite(value) and (lo < value if lo_open else lo <= value)
+            and (value < hi if hi_open else value <= hi))
+  if not inside:
+    left = "(" if lo_open or lo == -math.inf else "["
+    right = ")" if hi_open or hi == math.inf else "]"
+    bounds = f"{left}{_bound(lo)}, {_bound(hi)}{right}"
+    raise ValueError(f"{key}={value!r} is out of range: it must be a finite number in {bounds}")
+
+
+def _bound(x: float) -> str:
+  return {math.inf: "inf", -math.inf: "-inf"}.get(x, f"{x:g}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptConfig:
   lr: float = 3e-3                 # peak learning rate
@@ -33,21 +53,24 @@ class OptConfig:
   warmup_steps: int = 30           # linear warm-up from 0 to lr
   decay_fraction: float = 0.2      # wsd: last fraction of the steps decays linearly
   min_lr_ratio: float = 0.1        # final lr = lr * min_lr_ratio (wsd and cosine)
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
+  b1: float = 0.9                  # Adam first-moment decay, in [0, 1)
+  b2: float = 0.95                 # Adam second-moment decay, in [0, 1)
+  eps: float = 1e-8                # Adam denominator epsilon, > 0 (0 gives 0/0 = NaN)
   weight_decay: float = 0.1        # decoupled; never applied to norms or biases
   clip_norm: float = 1.0           # global-norm clipping (0 = off)
 
   def __post_init__(self):
     if self.schedule not in ("wsd", "cosine", "constant"):
       raise ValueError(f"opt.schedule={self.schedule!r}; valid: 'wsd', 'cosine', 'constant'")
-    if self.lr <= 0:
-      raise ValueError(f"opt.lr must be positive, got {self.lr}")
-    if not 0.0 <= self.decay_fraction <= 1.0:
-      raise ValueError(f"opt.decay_fraction must be in [0, 1], got {self.decay_fraction}")
-    if self.warmup_steps < 0:
-      raise ValueError(f"opt.warmup_steps must be >= 0, got {self.warmup_steps}")
+    check_range("opt.lr", self.lr, 0.0, lo_open=True)
+    check_range("opt.warmup_steps", self.warmup_steps, 0)
+    check_range("opt.decay_fraction", self.decay_fraction, 0.0, 1.0)
+    check_range("opt.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+    check_range("opt.b1", self.b1, 0.0, 1.0, hi_open=True)
+    check_range("opt.b2", self.b2, 0.0, 1.0, hi_open=True)
+    check_range("opt.eps", self.eps, 0.0, lo_open=True)
+    check_range("opt.weight_decay", self.weight_decay, 0.0)
+    check_range("opt.clip_norm", self.clip_norm, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +80,8 @@ class CheckpointConfig:
   async_save: bool = True  # write in the background while training continues
 
   def __post_init__(self):
-    if self.every_steps < 0 or self.keep < 1:
-      raise ValueError(f"checkpoint.every_steps must be >= 0 and checkpoint.keep >= 1, "
-                       f"got {self.every_steps}, {self.keep}")
+    check_range("checkpoint.every_steps", self.every_steps, 0)
+    check_range("checkpoint.keep", self.keep, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +92,18 @@ class LogConfig:
   peak_tflops: float = 0.0      # per-device peak for MFU; 0 = from the device kind (no MFU on CPU)
 
   def __post_init__(self):
-    if self.every_steps < 1:
-      raise ValueError(f"log.every_steps must be >= 1, got {self.every_steps}")
+    check_range("log.every_steps", self.every_steps, 1)
+    check_range("log.peak_tflops", self.peak_tflops, 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
   every_steps: int = 50      # evaluate on the validation split every N steps (0 = never)
-  batches: int = 8           # validation batches per evaluation (fixed, same every time)
+  batches: int = 8           # validation batches per evaluation (fixed, same every time; 0 = all)
+
+  def __post_init__(self):
+    check_range("eval.every_steps", self.every_steps, 0)
+    check_range("eval.batches", self.batches, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +116,7 @@ class InitConfig:
   def __post_init__(self):
     if self.hf_checkpoint and self.from_run:
       raise ValueError("set at most one of init.hf_checkpoint and init.from_run")
+    check_range("init.from_run_step", self.from_run_step, -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +127,9 @@ class TrainConfig:
   batch_size: int = 16       # global batch in rows of seq_len tokens, per optimizer step
   seq_len: int = 256         # tokens per row
   grad_accum_steps: int = 1  # micro-batches per optimizer step (batch_size must divide)
+  # Steps whose batch is read and not trained on (the state only counts the step): a way
+  # past a batch that makes the loss NaN, e.g. --config.skip_steps="(1234,)".
+  skip_steps: tuple[int, ...] = ()
   model: ModelConfig = ModelConfig()
   data: DataConfig = DataConfig()
   precision: PrecisionConfig = PrecisionConfig()
@@ -112,8 +142,12 @@ class TrainConfig:
 
   def __post_init__(self):
     for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+      check_range(name, getattr(self, name), 1)
+    check_range("seed", self.seed, -2**63, 2**63, hi_open=True)  # jax.random.key's int64
+    object.__setattr__(self, "skip_steps", tuple(self.skip_steps))
+    for step in self.skip_steps:
+      if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"skip_steps={self.skip_steps!r}: every entry must be a step >= 1")
     if self.batch_size % self.grad_accum_steps:
       raise ValueError(f"batch_size={self.batch_size} is not divisible by "
                        f"grad_accum_steps={self.grad_accum_steps}")

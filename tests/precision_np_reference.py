@@ -17,6 +17,8 @@ import numpy as np
 FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
 FP8 = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
 TINY = 2.0 ** -126
+# Largest UE8M0 scale: the largest 2**e with fmax * 2**e <= float32 max (1.75 * 2**127).
+UE8M0_CAP = {"e4m3": 2.0 ** 119, "e5m2": 2.0 ** 112}
 
 
 def tile_of(tile, shape):
@@ -55,6 +57,7 @@ def scale_of(amax, fmt, scale_format):
   s = np.where(s < TINY, TINY, s)                 # NaN fails the comparison: stays NaN
   if scale_format == "ue8m0":
     s = pow2_ceil(s)
+    s = np.where(np.isfinite(s) & (s > UE8M0_CAP[fmt]), UE8M0_CAP[fmt], s)  # inf, NaN stay
   return s.astype(np.float32)
 
 

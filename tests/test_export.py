@@ -211,3 +211,98 @@ def test_restore_params_only_into_target_shardings(run):
                      jax.tree.leaves(params)):
     assert r.sharding == s and r.dtype == jnp.float32
     np.testing.assert_array_equal(r, p)
+
+
+def _files(path):
+  return {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
+
+
+def test_export_refuses_a_non_empty_out_unless_overwrite(run, tmp_path):
+  """An earlier export (and a file of the user's) is not touched without --overwrite; with
+  it, the folder is replaced as a whole by the new export."""
+  workdir, _ = run
+  out = tmp_path / "hf"
+  export.export_run(workdir, str(out))
+  (out / "notes.txt").write_text("mine")
+  before = _files(out)
+  with pytest.raises(FileExistsError, match="not empty.*--overwrite"):
+    export.export_run(workdir, str(out), fp8=True)
+  assert _files(out) == before
+  export.export_run(workdir, str(out), fp8=True, overwrite=True)
+  assert "quantization_config" in json.load(open(out / "config.json"))
+  assert not (out / "notes.txt").exists()
+  assert sorted(os.listdir(tmp_path)) == ["hf"]   # no temporary folder left
+
+
+def test_failed_export_leaves_the_earlier_export_intact(run, tmp_path, monkeypatch):
+  workdir, _ = run
+  out = tmp_path / "hf"
+  export.export_run(workdir, str(out))
+  before = _files(out)
+
+  def broken(path):
+    yield from ()
+    raise OSError("read error in the middle of the checkpoint")
+  monkeypatch.setattr(export, "iter_checkpoint_params", broken)
+  with pytest.raises(OSError, match="read error"):
+    export.export_run(workdir, str(out), overwrite=True)
+  assert _files(out) == before
+  assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_export_refuses_the_run_directory_as_out(run, tmp_path):
+  workdir, _ = run
+  config = open(os.path.join(workdir, "config.json")).read()
+  for out in (workdir, os.path.dirname(workdir), os.path.join(workdir, "checkpoints")):
+    with pytest.raises(ValueError, match="run directory|checkpoints"):
+      export.export_run(workdir, out, overwrite=True)
+  assert open(os.path.join(workdir, "config.json")).read() == config
+  rundir.read_config(workdir)   # still the run's TrainConfig
+
+
+def test_export_of_a_live_run_takes_the_newest_when_its_step_is_removed(tmp_path, monkeypatch):
+  """The training run's checkpoint.keep removes the step being read: the export retries with
+  the newest committed step instead of failing with whatever the half-read gives."""
+  workdir = str(tmp_path / "run")
+  os.makedirs(workdir)
+  rundir.write_config(workdir, TrainConfig(model=MODEL))
+  params = random_params(MODEL)
+  ckpt = Checkpointer(workdir, CheckpointConfig(async_save=False, keep=5))
+  for step in (7, 9):
+    ckpt.save(step, {"step": np.int32(step), "params": params}, None)
+  ckpt.close()
+  real = export.iter_checkpoint_params
+  removed = []
+
+  def removed_while_read(path):
+    step_dir = os.path.dirname(path)
+    if not removed:   # the trainer saves step 11 and drops step 9 as we start reading 9
+      import shutil
+      shutil.copytree(step_dir, os.path.join(os.path.dirname(step_dir), "11"))
+      shutil.rmtree(step_dir)
+      removed.append(step_dir)
+      raise FileNotFoundError(f"{path}/manifest.ocdbt")
+    return real(path)
+  monkeypatch.setattr(export, "iter_checkpoint_params", removed_while_read)
+  line = export.export_run(workdir, str(tmp_path / "hf"))
+  assert line.startswith("exported step 11 ") and removed
+  _, loaded = hf.load_pretrained(str(tmp_path / "hf"))
+  jax.tree.map(np.testing.assert_array_equal, loaded, bf16(params))
+
+
+def test_export_reads_only_verified_committed_checkpoints(run, tmp_path):
+  """A step folder orbax never finished is not a checkpoint; a damaged one is named."""
+  import shutil
+  workdir = str(tmp_path / "run")
+  shutil.copytree(run[0], workdir)
+  os.makedirs(os.path.join(workdir, "checkpoints", "9"))        # a save killed early
+  line = export.export_run(workdir, str(tmp_path / "a"))
+  assert line.startswith("exported step 7 ")
+  data = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(workdir, "checkpoints", "7"))
+          for f in fs if "/d/" in os.path.join(r, f)]
+  with open(max(data, key=os.path.getsize), "r+b") as f:
+    f.seek(100)
+    f.write(b"\x00\x01\x02\x03")
+  with pytest.raises(ValueError, match="checkpoint 7 .* is damaged: .*checksum"):
+    export.export_run(workdir, str(tmp_path / "b"))
+  assert not (tmp_path / "b").exists()

@@ -200,6 +200,8 @@ def test_property_ue8m0_pow2_and_in_range(x, tile, fmt):
   fmax = ref.FMAX[fmt]
   full = ref.expand(s, tile, x.shape)
   x64 = np.where(np.abs(x) < 2.0 ** -126, 0.0, x.astype(np.float64))
+  top = fmax * ref.UE8M0_CAP[fmt]      # above it, x saturates (the scale is capped)
+  x64 = np.clip(x64, -top, top)
   assert (np.abs(x64 / full) <= fmax).all(), "|x / scale| must never exceed fmax"
   # Round-to-nearest error bound: half an ulp (relative) or half the subnormal step.
   d = np.asarray(q).astype(np.float64) * full

@@ -32,6 +32,7 @@ from infir2_jax.data import mixture
 from infir2_jax.data import packing
 from infir2_jax.data import splits
 from infir2_jax.data import tokenizer as tokenizer_lib
+from infir2_jax.data import workers
 from infir2_jax.data.config import DataConfig
 
 
@@ -274,5 +275,6 @@ def _iter(ds: grain.MapDataset, cfg: DataConfig) -> grain.IterDataset:
     # grain's worker processes read an absl flag; outside an absl app nothing parsed them.
     if not flags.FLAGS.is_parsed():
       flags.FLAGS.mark_as_parsed()
-    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers),
+                        worker_init_fn=workers.exit_with_parent)
   return ds

@@ -16,9 +16,11 @@ Embeddings, norms, biases and the LM head stay bf16. Quantization:
 infir2_jax.precision.quantize.quantize (the shared semantics).
 """
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 from typing import Any
 
 import flax.traverse_util
@@ -131,10 +133,44 @@ def write_tokenizer(out_dir: str, tokenizer, *, chat: bool, system_prompt: str,
   return {"bos_token_id": ids.eos, "eos_token_id": eos, "pad_token_id": ids.pad}
 
 
+@contextlib.contextmanager
+def atomic_dir(out_dir: str, overwrite: bool = False):
+  """Yields a fresh folder beside out_dir to write into; renamed to out_dir on success.
+
+  A failure leaves out_dir as it was (and removes the partial folder). A non-empty out_dir
+  is an error unless `overwrite`, and then it is replaced as a whole, once the new folder
+  is complete.
+  """
+  out = os.path.abspath(out_dir)
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise NotADirectoryError(f"{out_dir} exists and is not a folder")
+  if os.path.isdir(out) and os.listdir(out) and not overwrite:
+    raise FileExistsError(f"{out_dir} is not empty: pass overwrite=True (--overwrite) to "
+                          "replace it, or choose an empty or new folder")
+  tmp = f"{out}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  try:
+    yield tmp
+    old = None
+    if os.path.isdir(out) and os.listdir(out):
+      old = f"{out}.old-{os.getpid()}"
+      os.replace(out, old)
+    os.replace(tmp, out)   # onto a missing or empty folder: one rename
+    if old is not None:
+      shutil.rmtree(old)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+
+
 def export_params(param_groups, cfg: ModelConfig, out_dir: str, *, fp8: bool = False,
                   tokenizer=None, chat: bool = True, system_prompt: str = "",
-                  max_shard_bytes: int = 4 << 30) -> list[str]:
+                  max_shard_bytes: int = 4 << 30, overwrite: bool = False) -> list[str]:
   """Writes an HF checkpoint of params given as one pytree or an iterable of flat groups.
+
+  Everything is written into a new folder beside out_dir, which replaces out_dir only once
+  it is complete (atomic_dir): a failed export leaves an earlier one in out_dir intact.
 
   Args:
     param_groups: the params pytree, or an iterable of flat {"a/b/kernel": array} dicts
@@ -144,14 +180,18 @@ def export_params(param_groups, cfg: ModelConfig, out_dir: str, *, fp8: bool = F
     tokenizer: a `tokenizers.Tokenizer` to ship (None = no tokenizer files).
     chat: eos is <|im_end|> (a chat model) rather than <|endoftext|>.
     system_prompt: the chat template's default system turn.
+    overwrite: replace a non-empty out_dir (else that is a FileExistsError).
 
   Returns:
     The safetensors file names written.
   """
-  os.makedirs(out_dir, exist_ok=True)
-  for f in os.listdir(out_dir):  # an earlier export's shards or index would mix in
-    if f.endswith(".safetensors") or f == "model.safetensors.index.json":
-      os.remove(os.path.join(out_dir, f))
+  with atomic_dir(out_dir, overwrite) as tmp:
+    return _export_into(param_groups, cfg, tmp, fp8=fp8, tokenizer=tokenizer, chat=chat,
+                        system_prompt=system_prompt, max_shard_bytes=max_shard_bytes)
+
+
+def _export_into(param_groups, cfg: ModelConfig, out_dir: str, *, fp8, tokenizer, chat,
+                 system_prompt, max_shard_bytes) -> list[str]:
   if isinstance(param_groups, dict) and not any("/" in k for k in param_groups):
     param_groups = [flax.traverse_util.flatten_dict(param_groups, sep="/")]
   expected = set(tensor_specs(cfg))

@@ -1,6 +1,7 @@
 """Model hyper-parameters: the typed boundary between config files and the Qwen2 modules."""
 
 import dataclasses
+import math
 
 
 REMAT_MODES = ("none", "save_dots", "save_dots_fp8", "full")
@@ -57,6 +58,12 @@ class ModelConfig:
                  "num_kv_heads"):
       if getattr(self, name) <= 0:
         raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+    if self.head_dim < 0:
+      raise ValueError(f"model.head_dim must be >= 0 (0: hidden_size // num_heads), got "
+                       f"{self.head_dim}")
+    for name in ("rope_theta", "rms_norm_eps", "init_std"):  # NaN and inf fail too
+      if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+        raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
                        f"model.num_kv_heads={self.num_kv_heads}")

@@ -34,6 +34,14 @@ class Format:
   dtype: jnp.dtype
   max: float
 
+  @property
+  def max_pow2_scale(self) -> float:
+    """The largest power of two s with max * s finite in float32 (and bf16): 2**119 for
+    E4M3, 2**112 for E5M2. UE8M0 scales stop here, so a finite input never dequantizes to
+    inf: at 2**120 an E4M3 x >= 248 * 2**120 (3.2964854e38) rounds to q = 256 and
+    256 * 2**120 = 2**128 overflows."""
+    return float(2.0 ** np.floor(np.log2(np.finfo(np.float32).max / self.max)))
+
 
 FORMATS = {
     "e4m3": Format("e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0),
@@ -128,8 +136,10 @@ def reciprocal_exact(s: jax.Array) -> jax.Array:
 def scale_from_amax(amax: jax.Array, fmt: str, scale_format: str) -> jax.Array:
   """The float32 scale of a tile with max |x| = amax (float32): the shared semantics.
 
-  s = max(amax * RN32(1 / fmax), 2**-126), and for "ue8m0" round_up_pow2(s). NaN and inf
-  amax give a NaN / inf scale.
+  s = max(amax * RN32(1 / fmax), 2**-126), and for "ue8m0" min(round_up_pow2(s), cap) with
+  cap = Format.max_pow2_scale (2**119 E4M3, 2**112 E5M2): tiles with amax > fmax * cap
+  (2.98e38 in both formats) saturate at +-fmax * cap instead of dequantizing to inf. NaN
+  and inf amax give a NaN / inf scale.
   """
   # amax * RN32(1 / fmax), a multiply: XLA rewrites division by a (broadcast) scalar into
   # exactly this anyway, so we write it down to make every backend agree. For "ue8m0" the
@@ -139,5 +149,13 @@ def scale_from_amax(amax: jax.Array, fmt: str, scale_format: str) -> jax.Array:
   floor = np.float32(SCALE_FLOOR)
   s = jnp.where(s < floor, floor, s)                  # a select, so NaN passes on any backend
   if check_scale_format(scale_format) == "ue8m0":
-    s = round_up_pow2(s)
+    s = _cap_scale(round_up_pow2(s), get_format(fmt).max_pow2_scale)
   return s
+
+
+def _cap_scale(s: jax.Array, cap: float) -> jax.Array:
+  """min(s, cap) for positive finite s; inf and NaN pass (an int32 compare and a select)."""
+  bits = lax.bitcast_convert_type(s, jnp.int32)
+  cap_bits = int(np.float32(cap).view(np.int32))
+  over = (bits > cap_bits) & (bits < 0x7F800000)      # +inf is 0x7F800000; NaN above it
+  return jnp.where(over, np.float32(cap), s)

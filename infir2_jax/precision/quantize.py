@@ -5,7 +5,8 @@ for every tile over the last two dims of x (leading dims are independent),
   x     = f32(x), with float32 subnormals (|x| < 2**-126) flushed to a signed zero
   amax  = max |x| over the tile
   s     = max(amax * RN32(1 / fmax), 2**-126)      (f32 multiply)
-  scale = s ("fp32") or 2**ceil(log2(s)) ("ue8m0", exact, from the exponent bits)
+  scale = s ("fp32") or min(2**ceil(log2(s)), cap) ("ue8m0", exact, from the exponent bits;
+          cap = 2**119 E4M3, 2**112 E5M2, so that fmax * scale is finite)
   inv   = RN32(1 / scale)                          (exact, once per tile; see below)
   q     = fp8(clip(x * inv, -fmax, fmax))          (f32 multiply, round to nearest even)
   dequantize(q) = f32(q) * scale, then cast.
@@ -22,6 +23,10 @@ Decisions:
   to reshape never raises amax and is sliced off). q has x's shape; scale has shape
   (*lead, ceil(R / tr), ceil(C / tc)), or () per tensor (tile None).
 - Floor: scales are at least 2**-126, so all-zero tiles give q = 0 and dequantize to 0.
+- Overflow: a finite input never dequantizes to inf. UE8M0 scales stop at the cap above
+  (at 2**120 an E4M3 x >= 3.2964854e38 rounded to q = 256 and 256 * 2**120 overflowed f32),
+  so tiles with amax > fmax * cap (2.98e38 in both formats) saturate at +-fmax * cap.
+  FP32 scales need no cap: fmax * s stays finite for every finite amax.
 - NaN in a tile makes its scale NaN (so the whole tile dequantizes to NaN); +-inf makes the
   scale inf and the tile dequantizes to NaN (inf / inf = NaN, 0 * inf = NaN). Never finite.
 - amax is computed on the integer bits of |x| (exact; NaN sorts above inf).

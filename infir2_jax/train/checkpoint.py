@@ -1,29 +1,58 @@
 """orbax checkpoints of the train state and the data iterator, saved together, and reading
-a run's params back (for a new run, an export or an evaluation)."""
+a run's params back (for a new run, an export or an evaluation).
 
-from collections.abc import Iterator
+Each checkpoint is checksummed as it is written (train/integrity.py) and verified before it
+is restored. Resuming takes the newest checkpoint that restores; one that does not (damaged,
+incomplete, non-finite) is named with the reason in one line and moved to
+WORKDIR/checkpoints_damaged/, never deleted.
+"""
+
+import errno
+import os
+import shutil
+from collections.abc import Callable, Iterator
 
 import flax.traverse_util
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from infir2_jax.config import CheckpointConfig
-from infir2_jax.train import rundir
+from infir2_jax.train import integrity, rundir
+
+
+class DiskFullError(OSError):
+  """A checkpoint that does not fit on its disk; the message names the directory and sizes."""
+
+
+class NoRestorableCheckpoint(RuntimeError):
+  """Every checkpoint of a run failed to restore (each was moved aside)."""
 
 
 class Checkpointer:
-  """Saves {state, data-iterator} at a step; restores the latest one into given shardings."""
+  """Saves {state, data-iterator} at a step; restores the latest one into given shardings.
 
-  def __init__(self, workdir: str, cfg: CheckpointConfig):
+  With `owner` (the trainer, holding the run directory's lock) it first removes what killed
+  saves left behind (orbax's `*.orbax-checkpoint-tmp` folders).
+  """
+
+  def __init__(self, workdir: str, cfg: CheckpointConfig, owner: bool = False):
+    self.workdir = workdir
     self.directory = rundir.checkpoints_dir(workdir)
     self.cfg = cfg
+    self._primary = jax.process_index() == 0
+    if owner and self._primary:
+      rundir.remove_tmp_leftovers(workdir)
+    async_options = (ocp.AsyncOptions(post_finalization_callback=self._seal_pending)
+                     if cfg.async_save else None)
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
-            create=True))
+            async_options=async_options, create=True))
+    self._state_bytes = None
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -32,25 +61,157 @@ class Checkpointer:
     return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator | None) -> None:
+    """Saves in the background (async_save) or now; a full disk is a DiskFullError."""
+    self._check_space(step, state)
     items = {rundir.STATE_ITEM: ocp.args.StandardSave(state)}
     if data_iterator is not None:
       items[rundir.DATA_ITEM] = grain.checkpoint.CheckpointSave(data_iterator)
-    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    with _TranslateDiskFull(self, step):
+      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    if not self.cfg.async_save and self._primary:  # committed already: checksum it now
+      integrity.write_manifest(rundir.step_dir(self.workdir, step))
+
+  def _seal_pending(self) -> None:
+    """orbax's post-finalization callback: checksums the step folder orbax is about to
+    rename into place (so a committed checkpoint always carries its checksums)."""
+    if self._primary:
+      for path in rundir.pending_step_dirs(self.workdir):
+        if not integrity.has_manifest(path):
+          integrity.write_manifest(path)
+
+  def _check_space(self, step: int, state) -> None:
+    if self._state_bytes is None:
+      self._state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    free = shutil.disk_usage(self.directory).free
+    if free < self._state_bytes:
+      raise DiskFullError(_disk_full_message(self.directory, step, self._state_bytes, free))
 
   def restore(self, step: int, abstract_state, data_iterator: grain.DatasetIterator | None):
-    """Restores into `abstract_state` (ShapeDtypeStructs with shardings); the iterator in place."""
+    """Restores into `abstract_state` (ShapeDtypeStructs with shardings); the iterator in place.
+
+    Raises integrity.DamagedCheckpoint (with the reason) for a checkpoint that is incomplete,
+    fails its checksums or holds non-finite values, or orbax's error.
+    """
+    path = rundir.step_dir(self.workdir, step)
+    if not os.path.isdir(path) or not os.listdir(path):
+      raise integrity.DamagedCheckpoint("the step folder is empty")
+    if not rundir.is_committed(path):
+      raise integrity.DamagedCheckpoint("it is incomplete (orbax never finished writing it)")
+    integrity.verify(path)
     items = {rundir.STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
     if data_iterator is not None:
       items[rundir.DATA_ITEM] = grain.checkpoint.CheckpointRestore(data_iterator)
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-    return restored[rundir.STATE_ITEM]
+    state = restored[rundir.STATE_ITEM]
+    if not bool(all_finite(state)):
+      raise integrity.DamagedCheckpoint("its state holds NaN or Inf values")
+    return state
+
+  def restore_latest(self, abstract_state, data_iterator, log: Callable[[str], None] = print):
+    """(step, state) of the newest checkpoint that restores, or (0, None) when there is none.
+
+    Each newer one that fails is named with its reason and moved aside. Raises
+    NoRestorableCheckpoint when there were checkpoints and none restored.
+    """
+    failed = []
+    for step in reversed(rundir.step_dirs(self.workdir)):
+      verified = integrity.has_manifest(rundir.step_dir(self.workdir, step))
+      try:
+        state = self.restore(step, abstract_state, data_iterator)
+      except Exception as e:  # pylint: disable=broad-except  # any failure: try an older one
+        reason = str(e) if isinstance(e, integrity.DamagedCheckpoint) else one_line(e)
+        moved = self.move_aside(step)
+        log(f"checkpoint {step} ({rundir.step_dir(self.workdir, step)}) does not restore: "
+            f"{reason}; moved to {moved}")
+        failed.append(f"{step}: {reason}")
+        continue
+      if not verified:
+        log(f"checkpoint {step} has no checksums to verify (written by an older version, or "
+            "killed right after its commit); restored unverified")
+      return step, state
+    if failed:
+      raise NoRestorableCheckpoint(
+          f"no checkpoint of {self.workdir} restores ({'; '.join(failed)}); all were moved "
+          f"to {rundir.damaged_dir(self.workdir)}. Move one back to retry it, or re-run to "
+          "start from scratch")
+    return 0, None
+
+  def move_aside(self, step: int) -> str:
+    """Moves checkpoints/<step> to checkpoints_damaged/<step>[-N]; returns the new path."""
+    target = rundir.damaged_path(self.workdir, step)
+    if self._primary:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      os.replace(rundir.step_dir(self.workdir, step), target)
+    _sync("infir2_move_aside")
+    self._manager.reload()
+    return target
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    with _TranslateDiskFull(self, None):
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    with _TranslateDiskFull(self, None):
+      self._manager.wait_until_finished()
     self._manager.close()
+
+
+class _TranslateDiskFull:
+  """Turns ENOSPC from orbax / tensorstore (however wrapped) into one DiskFullError line."""
+
+  def __init__(self, checkpointer: Checkpointer, step: int | None):
+    self.checkpointer, self.step = checkpointer, step
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, exc_type, exc, tb):
+    if exc is None or not _is_disk_full(exc):
+      return False
+    ckpt = self.checkpointer
+    if ckpt._primary:  # pylint: disable=protected-access
+      rundir.remove_tmp_leftovers(ckpt.workdir)  # the half-written step: give the space back
+    needed = ckpt._state_bytes or 0  # pylint: disable=protected-access
+    raise DiskFullError(_disk_full_message(
+        ckpt.directory, self.step, needed, shutil.disk_usage(ckpt.directory).free)) from None
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc):
+      return True
+    exc = exc.__cause__ or exc.__context__
+  return False
+
+
+def _disk_full_message(directory: str, step: int | None, needed: int, free: int) -> str:
+  which = f"checkpoint {step}" if step is not None else "a checkpoint"
+  return (f"no space for {which} in {directory}: it needs about {needed / 2**20:.1f} MiB, "
+          f"{free / 2**20:.1f} MiB are free. Free some space (or lower checkpoint.keep) and "
+          "re-run the same command: training resumes from the last checkpoint")
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+  """`Type: first line of the message`, cut to `limit` characters."""
+  text = str(e).strip().splitlines()
+  line = f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+  return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+  """True when every float leaf of `tree` is finite: one fused device-side reduction."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices(name)
 
 
 def abstract_like(state, shardings):
@@ -72,6 +233,15 @@ def _saved_params_tree(path: str):
   return tree["params"]
 
 
+def read_state(path: str):
+  """The whole state item at `path` (checkpoints/<step>/state) as numpy arrays."""
+  with ocp.PyTreeCheckpointer() as ckptr:
+    meta = ckptr.metadata(path)
+  tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  return _restore(path, tree, as_numpy)
+
+
 def iter_checkpoint_params(path: str) -> Iterator[dict[str, np.ndarray]]:
   """Flat {"layers_0/mlp/up_proj/kernel": f32 array} groups: non-layer params, then each layer."""
   saved = _saved_params_tree(path)
@@ -88,8 +258,10 @@ def restore_params(workdir: str, abstract_params, step: int | None = None):
   """A run's params (no optimizer or data state) into given ShapeDtypeStructs with shardings.
 
   For starting a new run from another run's float32 masters (e.g. SFT stage 2 from stage 1).
+  The checkpoint's checksums are verified first.
   """
   path, _ = rundir.checkpoint_item(workdir, step)
+  integrity.verify(os.path.dirname(path))
   args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=a.dtype),
                       abstract_params)
   return _restore(path, {"params": abstract_params}, {"params": args})["params"]

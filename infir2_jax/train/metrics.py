@@ -1,9 +1,17 @@
-"""Metrics sinks: a console progress bar, TensorBoard event files and WORKDIR/metrics.jsonl."""
+"""Metrics sinks: a console progress bar, TensorBoard event files and WORKDIR/metrics.jsonl.
+
+A killed run loses nothing a checkpoint covers: the event file is flushed before each
+checkpoint, a resumed writer hides (TensorBoard's purge) what the killed one logged after
+the checkpoint it resumes from, and an event file cut mid-record by the kill is truncated
+to its last whole record.
+"""
 
 import json
 import math
 import os
+import struct
 import sys
+import time
 from typing import Any
 
 import jax
@@ -40,13 +48,20 @@ class MetricsWriter:
     if not self.active:
       return
     os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, rundir.METRICS_FILE), "a", buffering=1)
+    path = os.path.join(workdir, rundir.METRICS_FILE)
+    _end_last_line(path)
+    self._jsonl = open(path, "a", buffering=1)
     if cfg.tensorboard:
       try:
-        from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(os.path.join(workdir, rundir.TENSORBOARD_DIR))
+        import tensorboardX  # pylint: disable=unused-import
       except ImportError:
         print("tensorboardX is not installed: no TensorBoard event files", file=sys.stderr)
+      else:
+        tb_dir = os.path.join(workdir, rundir.TENSORBOARD_DIR)
+        repair_event_files(tb_dir)
+        # Steps after the checkpoint this run resumes from were logged by the killed writer:
+        # hidden from step start_step + 1 on (all of them on a fresh start).
+        self._tb = _EventFile(tb_dir, purge_step=start_step + 1 if start_step else 0)
     self._bar_args = dict(total=total_steps, initial=start_step, desc="train",
                           dynamic_ncols=True, mininterval=1.0, file=sys.stdout)
 
@@ -81,6 +96,13 @@ class MetricsWriter:
     else:
       print(message, flush=True)
 
+  def flush(self) -> None:
+    """Puts everything logged so far on disk (before a checkpoint: it covers these steps)."""
+    if self._tb is not None:
+      self._tb.flush()
+    if self._jsonl is not None:
+      self._jsonl.flush()
+
   def close(self) -> None:
     if self._bar is not None:
       self._bar.close()
@@ -88,6 +110,38 @@ class MetricsWriter:
       self._tb.close()
     if self._jsonl is not None:
       self._jsonl.close()
+
+
+class _EventFile:
+  """TensorBoard scalars written synchronously into one event file of this writer.
+
+  tensorboardX's SummaryWriter hands events to a thread through a queue, and its flush()
+  does not drain that queue: a kill lost every step logged since its last timed flush.
+  """
+
+  def __init__(self, tb_dir: str, purge_step: int):
+    from tensorboardX.event_file_writer import EventsWriter  # pylint: disable=g-import-not-at-top
+    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+    from tensorboardX.summary import scalar  # pylint: disable=g-import-not-at-top
+    os.makedirs(tb_dir, exist_ok=True)
+    # The file name has only seconds: the suffix keeps two writers apart.
+    self._events = EventsWriter(os.path.join(tb_dir, "events"),
+                                f".{os.getpid()}.{time.monotonic_ns()}")
+    self._event, self._scalar = event_pb2.Event, scalar
+    # TensorBoard's purge: a session START at step S hides earlier events with step >= S.
+    self._events.write_event(event_pb2.Event(
+        step=purge_step, wall_time=time.time(),
+        session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+
+  def add_scalar(self, tag: str, value: float, step: int) -> None:
+    self._events.write_event(self._event(step=step, wall_time=time.time(),
+                                         summary=self._scalar(tag, value)))
+
+  def flush(self) -> None:
+    self._events.flush()   # to the OS and fsync'ed
+
+  def close(self) -> None:
+    self._events.close()
 
 
 def _to_python(value):
@@ -106,3 +160,54 @@ def _summary(scalars: dict[str, Any]) -> str:
       value = scalars[key]
       parts.append(f"{key} {value:.3g}" if key != "loss" else f"loss {value:.4f}")
   return ", ".join(parts)
+
+
+def _end_last_line(path: str) -> None:
+  """Ends a line a killed writer left unfinished, so the next record starts a line."""
+  if os.path.exists(path) and os.path.getsize(path):
+    with open(path, "rb+") as f:
+      f.seek(-1, os.SEEK_END)
+      if f.read(1) != b"\n":
+        f.write(b"\n")
+
+
+def _whole_records(data: bytes) -> tuple[int, bool]:
+  """(offset after the last whole TFRecord of an event file, whether the rest is a record cut
+  short: fewer bytes than a header, or a sound header whose record runs past the end)."""
+  from tensorboardX.record_writer import masked_crc32c  # pylint: disable=g-import-not-at-top
+  pos = 0
+  while pos < len(data):
+    if len(data) - pos < 12:
+      return pos, True
+    header = data[pos:pos + 8]
+    (length,), (crc,) = struct.unpack("<Q", header), struct.unpack("<I", data[pos + 8:pos + 12])
+    if crc != masked_crc32c(header):
+      return pos, False
+    end = pos + 12 + length + 4
+    if end > len(data):
+      return pos, True
+    (payload_crc,) = struct.unpack("<I", data[end - 4:end])
+    if payload_crc != masked_crc32c(data[pos + 12:end - 4]):
+      return pos, False
+    pos = end
+  return pos, False
+
+
+def repair_event_files(tb_dir: str) -> list[str]:
+  """Truncates event files that end in a record cut short (a writer killed mid-write) to
+  their last whole record; returns the files repaired. Damage before the end is left."""
+  repaired = []
+  if not os.path.isdir(tb_dir):
+    return repaired
+  for name in sorted(os.listdir(tb_dir)):
+    path = os.path.join(tb_dir, name)
+    if "tfevents" not in name or not os.path.isfile(path):
+      continue
+    with open(path, "rb") as f:
+      data = f.read()
+    end, torn = _whole_records(data)
+    if torn:
+      with open(path, "r+b") as f:
+        f.truncate(end)
+      repaired.append(path)
+  return repaired

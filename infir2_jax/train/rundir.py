@@ -3,20 +3,34 @@
   WORKDIR/config.json                the TrainConfig the run started with (JSON)
   WORKDIR/metrics.jsonl              one JSON object per logged step, and eval_loss lines
   WORKDIR/tb/                        TensorBoard event files
+  WORKDIR/config_changes.jsonl       config keys changed on a resume: {"step", "changes"}
+  WORKDIR/metrics.jsonl              one JSON object per logged step, and eval_loss lines
+  WORKDIR/tb/                        TensorBoard event files
   WORKDIR/checkpoints/<step>/state   the train state (orbax: step, params, opt_state)
   WORKDIR/checkpoints/<step>/data    the data iterator's state (grain)
+  WORKDIR/checkpoints/<step>/checksums.json   sha256 of each file of the step (integrity.py)
+  WORKDIR/checkpoints_damaged/<step>  checkpoints that failed to restore, moved aside
+  WORKDIR/.lock                      held (flock) by the trainer of the run: pid and host
 """
 
 import json
 import os
+import shutil
 from typing import Any
 
 CONFIG_FILE = "config.json"
+CONFIG_CHANGES_FILE = "config_changes.jsonl"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"
 CHECKPOINTS_DIR = "checkpoints"
+DAMAGED_DIR = "checkpoints_damaged"
+LOCK_FILE = ".lock"
 STATE_ITEM = "state"   # orbax item names inside a checkpoint step
 DATA_ITEM = "data"
+# orbax writes a step into "<step>.orbax-checkpoint-tmp..." and renames it when complete;
+# it writes _CHECKPOINT_METADATA into the folder before that rename.
+ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
+ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
 
 
 def read_json(path: str) -> dict[str, Any] | None:
@@ -59,9 +73,72 @@ def checkpoints_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), CHECKPOINTS_DIR)
 
 
-def checkpoint_steps(workdir: str) -> list[int]:
+def step_dir(workdir: str, step: int) -> str:
+  return os.path.join(checkpoints_dir(workdir), str(step))
+
+
+def step_dirs(workdir: str) -> list[int]:
+  """Steps with a folder under checkpoints/, complete or not, ascending."""
   root = checkpoints_dir(workdir)
   return sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
+
+
+def is_committed(path: str) -> bool:
+  """A step folder orbax finished (it has the step metadata orbax writes before its rename)."""
+  return os.path.isfile(os.path.join(path, ORBAX_STEP_METADATA))
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """Steps of the committed checkpoints, ascending (readers never see a half-written one)."""
+  return [s for s in step_dirs(workdir) if is_committed(step_dir(workdir, s))]
+
+
+def pending_step_dirs(workdir: str) -> list[str]:
+  """orbax's temporary step folders that hold their step metadata (about to be renamed)."""
+  root = checkpoints_dir(workdir)
+  if not os.path.isdir(root):
+    return []
+  names = [d for d in os.listdir(root)
+           if ORBAX_TMP_MARK in d and d.split(".", 1)[0].isdigit()]
+  return [os.path.join(root, d) for d in names if is_committed(os.path.join(root, d))]
+
+
+def remove_tmp_leftovers(workdir: str) -> list[str]:
+  """Removes what killed writers left: orbax's temporary step folders and our `*.tmp` files.
+
+  Only for the run's owner (the lock holder): another writer's files would be in flight.
+  """
+  removed = []
+  root = checkpoints_dir(workdir)
+  for d in (os.listdir(root) if os.path.isdir(root) else []):
+    if ORBAX_TMP_MARK in d:
+      shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+      removed.append(os.path.join(root, d))
+  for f in (os.listdir(workdir) if os.path.isdir(workdir) else []):
+    if f.endswith(".tmp") and os.path.isfile(os.path.join(workdir, f)):
+      os.remove(os.path.join(workdir, f))
+      removed.append(os.path.join(workdir, f))
+  return removed
+
+
+def damaged_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), DAMAGED_DIR)
+
+
+def damaged_path(workdir: str, step: int) -> str:
+  """A free name for checkpoint `step` under checkpoints_damaged/: <step>, <step>-1, ..."""
+  base = os.path.join(damaged_dir(workdir), str(step))
+  path, n = base, 0
+  while os.path.exists(path):
+    n += 1
+    path = f"{base}-{n}"
+  return path
+
+
+def append_config_changes(workdir: str, step: int, changes: dict[str, Any]) -> None:
+  """Appends {"step", "changes": {key: [old, new]}} to WORKDIR/config_changes.jsonl."""
+  with open(os.path.join(workdir, CONFIG_CHANGES_FILE), "a") as f:
+    f.write(json.dumps({"step": step, "changes": changes}, default=str) + "\n")
 
 
 def checkpoint_item(workdir: str, step: int | None = None,

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import math
 import os
+import signal
 import time
 from typing import Any
 
@@ -19,15 +20,16 @@ from infir2_jax.data import make_data
 from infir2_jax.model import Qwen2, init_params, projections
 from infir2_jax.model.attention import check_documents, uses_packed_documents
 from infir2_jax.precision import make_dot_general_factory, telemetry
-from infir2_jax.train import rundir
-from infir2_jax.train.checkpoint import Checkpointer, abstract_like, restore_params
+from infir2_jax.train import preemption, resume, rundir, runlock
+from infir2_jax.train.checkpoint import Checkpointer, abstract_like, all_finite, restore_params
 from infir2_jax.train.metrics import MetricsWriter, peak_flops_per_device
 from infir2_jax.train.optim import make_optimizer, make_schedule
 from infir2_jax.train.step import make_eval_step, make_train_step
 
 
 class NonFiniteLossError(FloatingPointError):
-  """Raised when a step's loss or gradient norm is NaN/Inf; the bad state is never saved."""
+  """Raised when a step's loss, gradient norm or new state is NaN/Inf; that state is never
+  saved."""
 
 
 def build_model(cfg: TrainConfig, telemetry: bool = False) -> Qwen2:
@@ -102,26 +104,48 @@ def _make_data(cfg: TrainConfig, place: _Placement):
 
 @dataclasses.dataclass(frozen=True)
 class _Steps:
-  """The jitted steps of a run: train, eval, and the telemetry variant (or None)."""
+  """The jitted steps of a run: train, eval, the telemetry variant (or None), and the
+  step that skips a batch (counts the step, changes nothing else)."""
   train: Any
   eval: Any
   telemetry: Any
   sinks: Any
+  skip: Any
+
+
+def _with_finite_flag(step_fn):
+  """The step, also returning whether its new state is all finite: a reduction fused into
+  the step on the device, read with the other metrics before that state may be saved."""
+  def step(state, batch, *rest):
+    new_state, metrics = step_fn(state, batch, *rest)
+    return new_state, {**metrics, "state_finite": all_finite(new_state)}
+  return step
 
 
 def _jit_steps(cfg: TrainConfig, model, optimizer, schedule, shardings, place) -> _Steps:
   with place.context():
     train_step = jax.jit(
-        make_train_step(model, optimizer, schedule, cfg.grad_accum_steps),
+        _with_finite_flag(make_train_step(model, optimizer, schedule, cfg.grad_accum_steps)),
         in_shardings=(shardings, place.batch), out_shardings=(shardings, place.replicated),
         donate_argnums=0)
     eval_step = jax.jit(make_eval_step(model), in_shardings=(shardings["params"], place.batch))
+    skip_step = jax.jit(lambda state: {**state, "step": state["step"] + 1},
+                        in_shardings=(shardings,), out_shardings=shardings, donate_argnums=0)
   telemetry_step, sinks = _telemetry_step(cfg, model, optimizer, schedule, shardings, place)
-  return _Steps(train_step, eval_step, telemetry_step, sinks)
+  return _Steps(train_step, eval_step, telemetry_step, sinks, skip_step)
 
 
 def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes) a run in `workdir`. Returns the last step's and eval metrics."""
+  """Trains (or resumes) a run in `workdir`. Returns the last step's and eval metrics.
+
+  One trainer per workdir (train/runlock.py). SIGTERM and SIGINT save a checkpoint at the
+  next step and raise preemption.Preempted (a SystemExit).
+  """
+  with runlock.hold(workdir):
+    return _train(cfg, workdir)
+
+
+def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   os.makedirs(workdir, exist_ok=True)
   place = _placement(cfg)
   data = _make_data(cfg, place)
@@ -132,14 +156,9 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
       functools.partial(init_params, model), optimizer, place.mesh, place.rules,
       jax.random.key(cfg.seed))
 
-  checkpointer = Checkpointer(workdir, cfg.checkpoint)
+  checkpointer = Checkpointer(workdir, cfg.checkpoint, owner=True)
   train_iter = iter(data.train)
-  start_step = checkpointer.latest_step() or 0
-  if start_step:
-    state = checkpointer.restore(start_step, abstract_like(state, shardings), train_iter)
-  else:
-    state["params"] = _initial_params(cfg, state["params"], shardings["params"])
-    _write_config(cfg, workdir)
+  start_step, state = _resume(cfg, workdir, checkpointer, state, shardings, train_iter)
   steps = _jit_steps(cfg, model, optimizer, schedule, shardings, place)
   eval_batches = None
   if cfg.eval.every_steps > 0:
@@ -154,10 +173,54 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
     writer.print(f"{workdir} already finished its {cfg.steps} steps; raise --config.steps to go on")
   loop = _Loop(cfg, place, steps, eval_batches, checkpointer, writer, start_step)
   try:
-    return loop.run(state, train_iter)
+    with preemption.StopRequests() as stop:
+      return loop.run(state, train_iter, stop)
   finally:
     checkpointer.close()
     writer.close()
+
+
+def _say(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+def _resume(cfg, workdir, checkpointer, state, shardings, train_iter):
+  """(start step, state): the newest checkpoint that restores, else a fresh start.
+
+  A config whose train state has another shape than the run's is refused first (before any
+  checkpoint could be taken for damaged); other changes are recorded once resumed.
+  """
+  try:
+    changes = (resume.check(cfg, workdir, _state_structure)
+               if rundir.checkpoint_steps(workdir) else {})
+    start_step, restored = checkpointer.restore_latest(abstract_like(state, shardings),
+                                                       train_iter, log=_say)
+  except BaseException:
+    checkpointer.close()
+    raise
+  if restored is None:
+    state["params"] = _initial_params(cfg, state["params"], shardings["params"])
+    _write_config(cfg, workdir)
+    return 0, state
+  if jax.process_index() == 0:
+    if changes:
+      _say(resume.record(cfg, workdir, start_step, changes))
+    elif rundir.config_dict(workdir) is None:
+      rundir.write_config(workdir, cfg)
+  return start_step, restored
+
+
+def _state_structure(cfg: TrainConfig) -> dict[str, tuple]:
+  """{path: (shape, dtype)} of the train state of `cfg` (abstract: nothing allocated)."""
+  model = build_model(cfg)
+  optimizer = make_optimizer(cfg.opt, cfg.steps)
+
+  def init():
+    params = nn.unbox(init_params(model, jax.random.key(0)))
+    return {"step": jnp.int32(0), "params": params, "opt_state": optimizer.init(params)}
+  leaves, _ = jax.tree_util.tree_flatten_with_path(jax.eval_shape(init))
+  return {jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in leaves}
 
 
 class _Loop:
@@ -180,14 +243,23 @@ class _Loop:
     tokens = sum(float(s[1]) for s in sums)
     return loss_sum / max(tokens, 1.0)
 
-  def check_finite(self, step: int, metrics: dict[str, float]) -> None:
-    if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-      self.checkpointer.wait()
-      where = (f"step {self.last_good} in {self.checkpointer.directory}"
-               if self.last_good is not None else "none (no checkpoint was saved)")
-      raise NonFiniteLossError(
-          f"non-finite loss {metrics['loss']} (grad norm {metrics['grad_norm']}) at step "
-          f"{step}; the state of that step was not saved. Last good checkpoint: {where}")
+  def check_finite(self, step: int, metrics: dict[str, float], state_finite: bool) -> None:
+    loss, grad_norm = metrics["loss"], metrics["grad_norm"]
+    if math.isfinite(loss) and math.isfinite(grad_norm) and state_finite:
+      return
+    self.checkpointer.wait()
+    where = (f"step {self.last_good} in {self.checkpointer.directory}"
+             if self.last_good is not None else "none (no checkpoint was saved)")
+    what = (f"non-finite loss {loss} (grad norm {grad_norm}) at step {step}"
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)) else
+            f"the train state turned non-finite in the update of step {step} (its loss {loss} "
+            f"and grad norm {grad_norm} were finite)")
+    start = "it resumes from that checkpoint" if self.last_good else "it starts over"
+    raise NonFiniteLossError(
+        f"{what}; the state of that step was not saved. Last good checkpoint: {where}. To go "
+        f"on, re-run with a lower --config.opt.lr ({start}; the change is recorded in "
+        f"{rundir.CONFIG_CHANGES_FILE}), or skip this batch with "
+        f"--config.skip_steps=\"({step},)\"")
 
   def log(self, step, device_metrics) -> dict[str, float]:
     return _log_step(self.writer, step, device_metrics, self.timer, self.tokens_per_step,
@@ -196,11 +268,15 @@ class _Loop:
   def dispatch(self, step, state, batch):
     cfg, steps = self.cfg, self.steps
     with self.place.context():
+      if step in cfg.skip_steps:  # a documented way past a batch that gives NaN
+        self.writer.print(f"step {step}: batch skipped (skip_steps)")
+        self.writer.write(step, {"skipped_batch": 1}, console=False)
+        return steps.skip(state), None
       if steps.telemetry is not None and step % cfg.precision.telemetry_every_steps == 0:
         return steps.telemetry(state, batch, steps.sinks)
       return steps.train(state, batch)
 
-  def run(self, state, train_iter) -> dict[str, Any]:
+  def run(self, state, train_iter, stop: preemption.StopRequests) -> dict[str, Any]:
     cfg = self.cfg
     last: dict[str, Any] = {}
     if self.eval_batches and self.start_step == 0:
@@ -213,23 +289,35 @@ class _Loop:
       state, device_metrics = self.dispatch(step, state, batch)
       if pending is not None:  # read step N-1 while step N runs
         last = self.log(*pending)
-      pending = (step, device_metrics)
-      due_save = self.checkpointer.should_save(step) or step == cfg.steps
+      pending = None if device_metrics is None else (step, device_metrics)
+      stopping = stop.stop_at(step)
+      due_save = self.checkpointer.should_save(step) or step == cfg.steps or stopping
       due_eval = self.eval_batches and (step % cfg.eval.every_steps == 0 or step == cfg.steps)
-      if due_save or due_eval:  # this step's numbers must be known before we keep its state
+      if (due_save or due_eval) and pending is not None:  # known before we keep its state
         last = self.log(*pending)
         pending = None
-      if due_save:
-        self.checkpointer.save(step, state, train_iter)
-        self.last_good = step
-      if due_eval:
+      if due_eval:  # before the save: a kill right after the checkpoint keeps this eval line
         last["eval_loss"] = self.evaluate(state["params"])
         self.writer.write(step, {"eval_loss": last["eval_loss"]})
+      if due_save:
+        self.writer.flush()  # the logs of every step the checkpoint covers are on disk
+        self.checkpointer.save(step, state, train_iter)
+        self.last_good = step
+      if stopping:
+        self._stop(step, stop.signum)
       if due_save or due_eval:
         self.timer.reset()  # keep evaluation and checkpoint time out of the next step time
     if pending is not None:
       last = self.log(*pending)
     return last
+
+  def _stop(self, step: int, signum: int):
+    self.checkpointer.wait()
+    self.writer.flush()
+    message = (f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint "
+               f"{step} is in {self.checkpointer.directory}; re-run the same command to resume")
+    self.writer.print(message)
+    raise preemption.Preempted(signum, message)
 
 
 class _Timer:
@@ -253,10 +341,11 @@ def _log_step(writer, step, device_metrics, timer, tokens_per_step, flops_per_st
   device_metrics = dict(device_metrics)
   fp8_stats = device_metrics.pop("fp8", None)
   metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+  state_finite = bool(metrics.pop("state_finite", 1.0))
   if fp8_stats is not None:  # exact operands have SNR +inf: left out of the logs
     metrics.update(telemetry.finite_only(telemetry.summarize(fp8_stats["fwd"], fp8_stats["bwd"])))
   dt = timer.lap()
-  check_finite(step, metrics)
+  check_finite(step, metrics, state_finite)
   if dt is not None:
     metrics["step_time_s"] = dt
     metrics["tokens_per_s"] = tokens_per_step / dt
@@ -279,7 +368,8 @@ def _telemetry_step(cfg, model, optimizer, schedule, shardings, place):
   sinks = jax.device_put(sinks, place.replicated)
   with place.context():
     step = jax.jit(
-        make_train_step(model, optimizer, schedule, cfg.grad_accum_steps, telemetry_model=model_t),
+        _with_finite_flag(make_train_step(model, optimizer, schedule, cfg.grad_accum_steps,
+                                          telemetry_model=model_t)),
         in_shardings=(shardings, place.batch, place.replicated),
         out_shardings=(shardings, place.replicated), donate_argnums=0)
   return step, sinks
