@@ -306,3 +306,59 @@ def test_progress_lines_when_the_console_is_not_a_terminal(tmp_path, monkeypatch
       return True
   assert isinstance(metrics_lib._progress_bar(file=Tty(), total=3, initial=0, desc="x"),
                     metrics_lib.tqdm)
+
+
+def test_fp8_line_names_the_pallas_kernels_when_they_run(monkeypatch):
+  """The GPU branches of the FP8 line, with stand-in kernels and compiled steps."""
+  from infir2_jax.train import startup
+  monkeypatch.setattr(startup.gemm, "pallas_kernels",
+                      lambda backend: None if backend == "xla" else object())
+
+  class Compiled:
+    def __init__(self, text):
+      self.text = text
+
+    def as_text(self):
+      return self.text
+  cfg = tiny_config(**FP8)
+  with_kernels = Compiled('a custom_call_target="mosaic_gpu_v2", b\n' * 3)
+  assert startup.precision_line(cfg, with_kernels) == (
+      "FP8 on: recipe infir2 in 14 of 15 projections; GEMMs on the Pallas kernels (Mosaic GPU, "
+      "backend 'auto', 3 kernel calls in the train step)")
+  assert "the kernels took none of its shapes" in startup.precision_line(cfg, Compiled("dot"))
+  xla = tiny_config(**dict(FP8, **{"precision.backend": "xla"}))
+  assert startup.precision_line(xla, with_kernels).endswith(
+      "GEMMs on the XLA path (cpu; precision.backend='xla')")
+  assert startup.precision_line(tiny_config()) == (
+      "precision bf16: BF16 GEMMs everywhere (no FP8)")
+
+
+def test_gpu_budget_is_the_smallest_device_limit_and_counts_per_device():
+  class Gpu:
+    platform, device_kind = "gpu", "NVIDIA H200"
+
+    def __init__(self, id, limit, used):
+      self.id, self._stats = id, {"bytes_limit": limit, "bytes_in_use": used}
+
+    def memory_stats(self):
+      return self._stats
+  budget = preflight.device_budget([Gpu(0, 100 * GIB, 0), Gpu(1, 100 * GIB, 30 * GIB)])
+  assert budget == preflight.Budget(70 * GIB, "GPU 1 (NVIDIA H200)", per_device=True)
+
+  class Analysis:
+    argument_size_in_bytes, output_size_in_bytes = 20 * GIB, 20 * GIB
+    alias_size_in_bytes, temp_size_in_bytes, generated_code_size_in_bytes = 20 * GIB, 55 * GIB, 0
+
+  class Compiled:
+    def memory_analysis(self):
+      return Analysis()
+  step = preflight.CompiledStep(Compiled(), 0.0, 0.0, preflight.StepMemory.of(Compiled()))
+  cfg = tiny_config(**{"model.remat": "save_dots"})
+  with pytest.raises(preflight.InsufficientMemoryError, match=(
+      r"the train step needs 75\.0 GiB \(arguments 20\.0 GiB \+ temporaries 55\.0 GiB \+ "
+      r"outputs not donated 0\.0 GiB\), GPU 1 \(NVIDIA H200\) has 70\.0 GiB; try a smaller "
+      r"batch .*--config\.model\.remat=full; now 'save_dots'")):
+    preflight.check_step(cfg, step, budget, num_devices=2)   # per device: not times 2
+  roomy = preflight.Budget(80 * GIB, "GPU 0 (NVIDIA H200)", per_device=True)
+  assert preflight.check_step(cfg, step, roomy, 2).startswith(
+      "memory: the train step needs 75.0 GiB")

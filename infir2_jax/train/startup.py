@@ -110,14 +110,18 @@ def precision_line(cfg: TrainConfig, compiled=None) -> str:
            else "the Pallas kernels need a Hopper GPU")
     return (f"FP8 on: recipe {cfg.precision.recipe} in {where}; GEMMs on the XLA path "
             f"({jax.default_backend()}; {why})")
-  calls = ""
+  calls = None
   if compiled is not None:
     try:
-      calls = f", {compiled.as_text().count(MOSAIC_GPU_CALL)} kernel calls in the train step"
+      calls = compiled.as_text().count(MOSAIC_GPU_CALL)
     except Exception:  # noqa: BLE001 - the count is a diagnostic only
-      calls = ""
+      calls = None
+  if calls == 0:  # "auto" falls back per GEMM where the kernels do not take the shapes
+    return (f"FP8 on: recipe {cfg.precision.recipe} in {where}; GEMMs on the XLA path (the "
+            "compiled train step has no Pallas kernel call: the kernels took none of its shapes)")
+  count = "" if calls is None else f", {calls} kernel calls in the train step"
   return (f"FP8 on: recipe {cfg.precision.recipe} in {where}; GEMMs on the Pallas kernels "
-          f"(Mosaic GPU, backend {cfg.precision.backend!r}{calls})")
+          f"(Mosaic GPU, backend {cfg.precision.backend!r}{count})")
 
 
 def fresh_state(params, optimizer, shardings):
