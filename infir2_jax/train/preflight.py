@@ -200,5 +200,5 @@ def check_step(cfg, step: CompiledStep, budget: Budget | None, num_devices: int,
   needed, how = _needs(m.peak, budget, num_devices, detail)
   if enabled():
     _stop(_verdict(needed, budget, "the train step", how, _advice(cfg, activations=True)), log)
-  return f"memory: the train step needs {_gib(needed)} ({how}), {budget.what} has " \
-         f"{_gib(budget.available)}"
+  return (f"memory: the train step needs {_gib(needed)} ({how}), {budget.what} has "
+          f"{_gib(budget.available)}")
