@@ -8,7 +8,8 @@ dependency). The parts, lowest first (README.md, "Where things are"):
   hf                                  (model, data, precision)
   config                              (the sections' owners)
   train                               (config and everything under it)
-  inference, export, ablation, bench  (train and below)
+  inference, export, generate,        (train and below)
+  ablation, bench
 """
 
 import ast
@@ -30,6 +31,7 @@ ALLOWED = {
     "train": {"config", "model", "data", "precision", "parallel", "hf"},
     "inference": {"train", "config", "model", "data", "precision", "hf"},
     "export": {"train", "config", "model", "data", "hf"},
+    "generate": {"inference", "train", "model", "data", "hf", "parallel"},
     "ablation": {"train", "config"},
     "bench": {"train", "config", "model", "data", "precision", "parallel"},
 }

@@ -3,6 +3,8 @@
 import csv
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from infir2_jax.ablation import report
 from infir2_jax.ablation import sweep
 from infir2_jax.train import rundir
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEDS = (0, 1, 2)
 STEPS = 40
 PATHS = [f"layers_{i}/{p}" for i in range(2) for p in ("self_attn/q_proj", "mlp/down_proj")]
@@ -160,3 +163,101 @@ def test_report_errors_name_the_problem(sweep_dir, tmp_path):
     report.make_report(sweep_dir, str(tmp_path), plots=False, margn=0.1)
   with pytest.raises(ValueError, match="no run directories"):
     report.load_runs(str(tmp_path))
+
+
+def _config(recipe, seed, **changes):
+  c = {"seed": seed, "steps": STEPS, "precision": {"recipe": recipe, "overrides": []},
+       "data": {"format": "pretrain", "num_workers": 0}, "init": {"from_run": ""},
+       "log": {"progress_bar": True}}
+  for key, value in changes.items():
+    section, leaf = key.split(".")
+    c[section][leaf] = value
+  return c
+
+
+def test_runs_with_other_configs_are_not_paired(tmp_path):
+  """A pretrain bf16 run and an SFT infir2 run in one directory are not seeds of one grid."""
+  root = str(tmp_path)
+  for recipe, changes in (("bf16", {}), ("infir2", {"data.format": "chat",
+                                                    "init.from_run": "runs/default"})):
+    name = _write_run(root, recipe, 0, 0.001)
+    os.remove(os.path.join(root, name, sweep.RUN_FILE))    # plain runs, not from a sweep
+    with open(os.path.join(root, name, rundir.CONFIG_FILE), "w") as f:
+      json.dump(_config(recipe, 0, **changes), f)
+  runs = report.load_runs(root)
+  assert report.config_differences(runs) == ["data.format", "init.from_run"]
+  summary = report.summarize(runs, "bf16", min_seeds=1)
+  assert len(summary) == 2
+  (sft,) = [rows for group, rows in summary.items() if ("data.format", "chat") in group]
+  assert [r.recipe for r in sft] == ["infir2"] and sft[0].d_val is None and sft[0].tost_val is None
+  text = open(report.make_report(root, str(tmp_path / "out"), plots=False)).read()
+  assert "`data.format`, `init.from_run`" in text and "never paired across groups" in text
+  assert "No `bf16` run has this group's config" in text
+  assert "Equivalence to" not in text   # no verdict table: nothing was paired
+
+
+def test_runs_differing_only_in_neutral_keys_are_paired(tmp_path):
+  root = str(tmp_path)
+  for seed in SEEDS:
+    for recipe, changes in (("bf16", {"log.progress_bar": False}), ("infir2", {})):
+      name = _write_run(root, recipe, seed, 0.002, noise=0.002)
+      with open(os.path.join(root, name, rundir.CONFIG_FILE), "w") as f:
+        json.dump(_config(recipe, seed, **changes), f)
+  runs = report.load_runs(root)
+  assert report.config_differences(runs) == []
+  (rows,) = report.summarize(runs, "bf16", last_k=5).values()
+  assert rows[1].recipe == "infir2" and rows[1].d_val.n == 3
+
+
+def test_smoke_sweep_gets_no_verdict_and_the_power_is_stated(tmp_path):
+  """2 seeds x 10 steps of near-identical curves: TOST alone would say "equivalent"."""
+  root = str(tmp_path)
+  for seed in (0, 1):
+    _write_run(root, "bf16", seed, 0.0, steps=10)
+    _write_run(root, "infir2", seed, 0.0005, noise=0.0001, steps=10)
+  runs = report.load_runs(root)
+  (rows,) = report.summarize(runs, "bf16", last_k=3).values()
+  from infir2_jax.ablation import statistics as stats
+  assert stats.verdict(rows[1].tost_val) == "equivalent"   # what the old report printed
+  assert rows[1].no_verdict == ("2 paired seed(s) < min_seeds 3; runs of 10 steps < "
+                                "min_steps 20")
+  text = open(report.make_report(root, str(tmp_path / "out"), plots=False, last_k=3)).read()
+  assert "| `infir2` | **no verdict** (2 paired seed(s) < min_seeds 3" in text
+  assert "| `infir2` | **equivalent**" not in text and ", power " in text
+  # and with the minimums lowered, the verdict comes back with its power
+  text = open(report.make_report(root, str(tmp_path / "out"), plots=False, last_k=3,
+                                 min_seeds=2, min_steps=10)).read()
+  assert "| `infir2` | **equivalent** (p=" in text and ", power " in text
+
+
+@pytest.mark.parametrize("n,sd,margin", [(2, 0.004, 0.02), (3, 0.01, 0.02), (10, 0.02, 0.02)])
+def test_tost_power_matches_simulation(n, sd, margin):
+  from infir2_jax.ablation import statistics as stats
+  rng = np.random.default_rng(n)
+  d = rng.normal(0.0, sd, (40_000, n))
+  t = sps.t.ppf(0.95, n - 1)
+  hits = np.abs(d.mean(1)) + t * d.std(1, ddof=1) / np.sqrt(n) < margin   # TOST at alpha 0.05
+  se = np.sqrt(hits.mean() * (1 - hits.mean()) / hits.size)
+  assert stats.tost_power(sd, n, margin) == pytest.approx(hits.mean(), abs=4 * se + 1e-3)
+
+
+def test_plot_run_draws_one_runs_curves_without_a_sweep(tmp_path):
+  from infir2_jax.ablation import plot_run
+  name = _write_run(str(tmp_path), "bf16", 1, 0.0, resumed=True)   # steps 21-22 logged twice
+  run_dir = os.path.join(str(tmp_path), name)
+  out = str(tmp_path / "loss.png")
+  fig = plot_run.plot_runs([run_dir], out)
+  with open(out, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  (ax,) = fig.axes
+  lines = {line.get_label(): line for line in ax.get_lines()}
+  train, evals = lines[f"{name} train"], lines[f"{name} validation"]
+  np.testing.assert_array_equal(train.get_xdata(), np.arange(1, STEPS + 1))
+  np.testing.assert_allclose(train.get_ydata(), _curve(1))        # the re-run's values win
+  np.testing.assert_array_equal(evals.get_xdata(), [0, 20, 40])
+  np.testing.assert_allclose(evals.get_ydata(), [9.5, 4.51, 4.51])
+  cli = subprocess.run([sys.executable, "-m", "infir2_jax.ablation.plot_run", run_dir],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert cli.returncode == 0, cli.stderr
+  assert cli.stdout.strip() == f"wrote {os.path.join(run_dir, 'loss.png')}"
+  assert os.path.getsize(os.path.join(run_dir, "loss.png")) > 1000

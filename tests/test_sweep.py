@@ -185,4 +185,5 @@ def test_real_sweep_trains_and_reports(tmp_path, monkeypatch):
   loaded = report.load_runs(str(tmp_path))
   assert [r.steps.tolist() for r in loaded] == [[1, 2], [1, 2]]
   path = report.make_report(str(tmp_path), plots=False, last_k=1)
-  assert "| `infir2` | **inconclusive (n < 2)**" in open(path).read()
+  assert "| `infir2` | **no verdict** (1 paired seed(s) < min_seeds 3; runs of 2 steps" in \
+      open(path).read()

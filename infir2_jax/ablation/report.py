@@ -12,7 +12,13 @@ runs.csv (the per-seed numbers every statistic is computed from). Statistics:
   paired difference          = recipe - reference per seed (same init and data), t interval,
   equivalence (TOST)         = both one-sided t tests reject |difference| >= margin at alpha,
                                i.e. the (1 - 2 alpha) interval lies inside +-margin; the
-                               margin is `margin` x the reference's mean loss (relative).
+                               margin is `margin` x the reference's mean loss (relative),
+  power                      = the chance TOST shows equivalence for a recipe exactly as good
+                               as the reference, at the observed spread of the differences.
+Only runs whose configs differ in the swept keys alone are compared (the sweep's axes, or
+precision.recipe and seed for plain run directories); runs that differ in any other key
+form groups of their own. No verdict is given below `min_seeds` paired seeds or for runs
+shorter than `min_steps` steps (a smoke sweep measures nothing).
 """
 
 import csv
@@ -28,8 +34,12 @@ from infir2_jax.ablation import statistics
 from infir2_jax.ablation import sweep
 from infir2_jax.train import rundir
 
-DEFAULTS = {"reference": "bf16", "margin": 0.01, "last_k": 10, "alpha": 0.05, "level": 0.95}
+DEFAULTS = {"reference": "bf16", "margin": 0.01, "last_k": 10, "alpha": 0.05, "level": 0.95,
+            "min_seeds": 3, "min_steps": 20}
 RECIPE_KEY, SEED_KEY = "precision.recipe", "seed"
+# Config keys that do not change what a run computes: differing in them still pairs runs.
+NEUTRAL_KEYS = ("checkpoint.", "log.progress_bar", "log.tensorboard", "log.peak_tflops",
+                "data.num_workers", "data.prefetch", "data.cache_dir")
 
 
 @dataclasses.dataclass
@@ -46,6 +56,8 @@ class RunData:
   eval_loss: np.ndarray
   telemetry: list[dict[str, float]]  # the fp8/* keys of each telemetry step, with "step"
   wall_s: float | None = None
+  config: dict[str, Any] = dataclasses.field(default_factory=dict)  # flat config.json
+  swept: tuple[str, ...] = (RECIPE_KEY, SEED_KEY)   # the keys the run's sweep varies
 
   def final_train(self, last_k: int) -> float:
     return float(np.mean(self.loss[-last_k:])) if self.loss.size else math.nan
@@ -75,7 +87,34 @@ def load_run(run_dir: str) -> RunData:
       loss=np.array([r["loss"] for r in train], np.float64),
       eval_steps=np.array([r["step"] for r in evals], np.int64),
       eval_loss=np.array([r["eval_loss"] for r in evals], np.float64),
-      telemetry=telemetry, wall_s=marker.get("wall_s"))
+      telemetry=telemetry, wall_s=marker.get("wall_s"), config=_flat(config),
+      swept=tuple(sorted({RECIPE_KEY, SEED_KEY} | set(axes))))
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in config.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:  # lists (JSON tuples) become tuples: group keys must hash
+      out[prefix + key] = tuple(value) if isinstance(value, list) else value
+  return out
+
+
+def config_differences(runs: list[RunData]) -> list[str]:
+  """Config keys, other than the swept and neutral ones, whose values differ between runs."""
+  swept = {k for r in runs for k in r.swept}
+  keys = sorted({k for r in runs for k in r.config})
+  return [k for k in keys if k not in swept and not k.startswith(NEUTRAL_KEYS)
+          and len({repr(r.config.get(k)) for r in runs}) > 1]
+
+
+def _split_by_config(runs: list[RunData]) -> list[RunData]:
+  """Adds the differing non-swept keys to each run's group: only like configs are paired."""
+  differ = config_differences(runs)
+  for r in runs:
+    r.group = tuple(sorted(r.group + tuple((k, r.config.get(k)) for k in differ)))
+  return runs
 
 
 def load_runs(sweep_dir: str) -> list[RunData]:
@@ -90,7 +129,7 @@ def load_runs(sweep_dir: str) -> list[RunData]:
       runs.append(load_run(path))
   if not runs:
     raise ValueError(f"no run directories (with metrics.jsonl) in {sweep_dir!r}")
-  return runs
+  return _split_by_config(runs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,30 +144,46 @@ class RecipeSummary:
   tost_train: statistics.Tost | None
   tost_val: statistics.Tost | None
   not_done: tuple[tuple[str, str], ...]  # runs left out: (name, status)
+  power_train: float = math.nan          # TOST power at the observed spread (see the docstring)
+  power_val: float = math.nan
+  no_verdict: str = ""                   # why no verdict is given (too few seeds or steps)
 
 
 def _by_seed(runs: list[RunData], value) -> dict[int, float]:
   return {r.seed: value(r) for r in runs if math.isfinite(value(r))}
 
 
+def _refusal(shared_seeds: int, steps: int, min_seeds: int, min_steps: int) -> str:
+  why = []
+  if shared_seeds < min_seeds:
+    why.append(f"{shared_seeds} paired seed(s) < min_seeds {min_seeds}")
+  if steps < min_steps:
+    why.append(f"runs of {steps} steps < min_steps {min_steps}")
+  return "; ".join(why)
+
+
 def summarize(runs: list[RunData], reference: str = "bf16", *, last_k: int = 10,
-              margin: float = 0.01, alpha: float = 0.05, level: float = 0.95
-              ) -> dict[tuple, list[RecipeSummary]]:
-  """Per group (the other axes' values), per recipe: the statistics of the module docstring.
+              margin: float = 0.01, alpha: float = 0.05, level: float = 0.95,
+              min_seeds: int = 3, min_steps: int = 20) -> dict[tuple, list[RecipeSummary]]:
+  """Per group (the other axes' and config keys' values), per recipe: the statistics of the
+  module docstring.
 
   Only finished runs ("done") enter the statistics; the others are listed in not_done.
-  A recipe's paired difference uses the seeds it shares with the reference.
+  A recipe's paired difference uses the seeds it shares with the reference of its group; a
+  group without a reference run gets no differences (nothing it may be paired with).
   """
   if last_k < 1:
     raise ValueError(f"last_k must be >= 1, got {last_k}")
+  if not any(r.recipe == reference for r in runs):
+    groups = sorted({r.group for r in runs}, key=repr)
+    raise ValueError(f"reference recipe {reference!r} has no runs in group "
+                     f"{' or '.join(str(dict(g)) for g in groups)}; recipes: "
+                     f"{sorted({r.recipe for r in runs})}")
   out: dict[tuple, list[RecipeSummary]] = {}
   for group in sorted({r.group for r in runs}, key=repr):
     members = [r for r in runs if r.group == group]
     done = [r for r in members if r.status == "done"]
     recipes = sorted({r.recipe for r in members}, key=lambda n: (n != reference, n))
-    if reference not in recipes:
-      raise ValueError(f"reference recipe {reference!r} has no runs in group {dict(group)}; "
-                       f"recipes: {recipes}")
     metrics = {"train": lambda r: r.final_train(last_k), "val": RunData.final_eval}
     ref = {m: _by_seed([r for r in done if r.recipe == reference], f)
            for m, f in metrics.items()}
@@ -136,11 +191,12 @@ def summarize(runs: list[RunData], reference: str = "bf16", *, last_k: int = 10,
     for recipe in recipes:
       mine = [r for r in done if r.recipe == recipe]
       per = {m: _by_seed(mine, f) for m, f in metrics.items()}
-      result = {}
+      result, power, refusal = {}, {}, ""
       for m in metrics:
         vals = per[m]
         result[m] = statistics.mean_ci(list(vals.values()), level) if vals else None
         shared = sorted(set(vals) & set(ref[m]))
+        power[m] = math.nan
         if recipe == reference or not shared or not ref[m]:
           result["d_" + m] = result["tost_" + m] = None
           continue
@@ -149,12 +205,18 @@ def summarize(runs: list[RunData], reference: str = "bf16", *, last_k: int = 10,
         result["d_" + m] = statistics.paired_diff(a, b, level)
         ref_mean = float(np.mean(list(ref[m].values())))
         result["tost_" + m] = statistics.tost(np.subtract(a, b), margin * ref_mean, alpha)
+        power[m] = statistics.tost_power(result["d_" + m].sd, len(shared), margin * ref_mean,
+                                         alpha)
+        steps = min(int(r.steps[-1]) if r.steps.size else 0
+                    for r in done if r.seed in shared and r.recipe in (recipe, reference))
+        refusal = refusal or _refusal(len(shared), steps, min_seeds, min_steps)
       seeds = tuple(sorted({r.seed for r in mine}))
       not_done = tuple((r.name, r.status) for r in members
                        if r.recipe == recipe and r.status != "done")
       rows.append(RecipeSummary(recipe, seeds, result["train"], result["val"],
                                 result["d_train"], result["d_val"], result["tost_train"],
-                                result["tost_val"], not_done))
+                                result["tost_val"], not_done, power["train"], power["val"],
+                                refusal))
     out[group] = rows
   return out
 
@@ -176,12 +238,30 @@ def _fmt_diff(ci: statistics.MeanCI | None, ref_mean: float | None) -> str:
   return f"{ci.mean:+.4f} [{ci.low:+.4f}, {ci.high:+.4f}]{rel}"
 
 
-def _fmt_tost(t: statistics.Tost | None) -> str:
+def _fmt_tost(t: statistics.Tost | None, power: float = math.nan, no_verdict: str = "") -> str:
   if t is None:
     return "—"
   p = "n/a" if math.isnan(t.p_value) else (f"{t.p_value:.2g}" if t.p_value >= 1e-4
                                             else "<1e-4")
-  return f"**{statistics.verdict(t)}** (p={p}, margin ±{t.margin:.4f})"
+  pw = "" if math.isnan(power) else f", power {power:.2f}"
+  if no_verdict:
+    return f"**no verdict** ({no_verdict}; p={p}, margin ±{t.margin:.4f}{pw})"
+  return f"**{statistics.verdict(t)}** (p={p}, margin ±{t.margin:.4f}{pw})"
+
+
+def _compared(runs: list[RunData], summary) -> list[str]:
+  """What the report compared with what, in words."""
+  swept = sorted({k for r in runs for k in r.swept})
+  differ = config_differences(runs)
+  with_config = sum(bool(r.config) for r in runs)
+  lines = [f"Compared: runs whose configs differ only in the swept keys ("
+           + ", ".join(f"`{k}`" for k in swept) + "), paired by seed within each group; "
+           f"{with_config} of {len(runs)} run(s) have a config.json to check this."]
+  if differ:
+    shown = ", ".join(f"`{k}`" for k in differ[:8]) + (" ..." if len(differ) > 8 else "")
+    lines.append(f"The runs also differ in {len(differ)} other key(s) ({shown}): they form "
+                 f"{len(summary)} separate groups below and are never paired across groups.")
+  return lines
 
 
 def markdown(summary: dict[tuple, list[RecipeSummary]], runs: list[RunData],
@@ -215,30 +295,38 @@ def markdown(summary: dict[tuple, list[RecipeSummary]], runs: list[RunData],
             f"t tests, α = {s['alpha']}) at a margin of ±{100 * s['margin']:g}% of the "
             f"reference's mean loss: **equivalent** when the {100 * (1 - 2 * s['alpha']):.0f}% "
             "interval of Δ lies inside the margin, **not equivalent** when it lies outside, "
-            "otherwise **inconclusive** (more seeds needed). Lower loss is better; Δ > 0 "
-            "means the recipe is worse.", ""]
+            "otherwise **inconclusive** (more seeds needed). Power: the chance of "
+            "**equivalent** for a recipe exactly as good as the reference, at the observed "
+            f"spread. No verdict below {s['min_seeds']} paired seeds or {s['min_steps']} "
+            "steps per run. Lower loss is better; Δ > 0 means the recipe is worse.", "",
+            *_compared(runs, summary), ""]
   for group, rows in summary.items():
     if group:
       lines += [f"## {', '.join(f'{k}={v}' for k, v in group)}", ""]
     else:
       lines += ["## Results", ""]
-    ref_row = rows[0]
-    ref_train = ref_row.train.mean if ref_row.train else None
-    ref_val = ref_row.val.mean if ref_row.val else None
+    ref_row = rows[0] if rows[0].recipe == s["reference"] else None
+    ref_train = ref_row.train.mean if ref_row and ref_row.train else None
+    ref_val = ref_row.val.mean if ref_row and ref_row.val else None
     lines += ["| recipe | seeds | train loss | val loss | Δ train [CI] | Δ val [CI] |",
               "|---|---|---|---|---|---|"]
     for r in rows:
       lines.append(f"| `{r.recipe}` | {len(r.seeds)} | {_fmt_ci(r.train)} | {_fmt_ci(r.val)} "
                    f"| {_fmt_diff(r.d_train, ref_train)} | {_fmt_diff(r.d_val, ref_val)} |")
-    lines += ["", f"Equivalence to `{s['reference']}` (TOST):", "",
-              "| recipe | validation loss | train loss |", "|---|---|---|"]
-    for r in rows[1:]:
+    if ref_row is None:
+      lines += ["", f"No `{s['reference']}` run has this group's config: its runs are not "
+                "compared with anything."]
+    elif len(rows) > 1:
+      lines += ["", f"Equivalence to `{s['reference']}` (TOST):", "",
+                "| recipe | validation loss | train loss |", "|---|---|---|"]
+    for r in rows[1:] if ref_row is not None else ():
       diverged = [name for name, status in r.not_done if status == "diverged"]
       if diverged:  # a recipe that diverged on any seed is not equivalent, whatever the rest say
         cell = f"**diverged** ({len(diverged)} run(s): {', '.join(diverged)})"
         lines.append(f"| `{r.recipe}` | {cell} | {cell} |")
       else:
-        lines.append(f"| `{r.recipe}` | {_fmt_tost(r.tost_val)} | {_fmt_tost(r.tost_train)} |")
+        lines.append(f"| `{r.recipe}` | {_fmt_tost(r.tost_val, r.power_val, r.no_verdict)} | "
+                     f"{_fmt_tost(r.tost_train, r.power_train, r.no_verdict)} |")
     missing = [f"{name} ({status})" for r in rows for name, status in r.not_done]
     if missing:
       lines += ["", "Left out of the statistics (not finished): " + ", ".join(missing)]
@@ -280,8 +368,8 @@ def make_report(sweep_dir: str, out_dir: str | None = None, *, plots: bool = Tru
                 **settings) -> str:
   """Writes report.md (+ PNGs, runs.csv) for a sweep directory; returns the report's path.
 
-  settings: reference, margin, last_k, alpha, level; unset ones come from the sweep config's
-  `report` section (WORKDIR/sweep.json), then DEFAULTS.
+  settings: reference, margin, last_k, alpha, level, min_seeds, min_steps; unset ones come from
+  the sweep config's `report` section (WORKDIR/sweep.json), then DEFAULTS.
   """
   record = rundir.read_json(os.path.join(sweep_dir, sweep.SWEEP_FILE))
   from_sweep = (record or {}).get("spec", {}).get("report", {})
@@ -292,7 +380,8 @@ def make_report(sweep_dir: str, out_dir: str | None = None, *, plots: bool = Tru
        for k, v in DEFAULTS.items()}
   runs = load_runs(sweep_dir)
   summary = summarize(runs, s["reference"], last_k=int(s["last_k"]), margin=float(s["margin"]),
-                      alpha=float(s["alpha"]), level=float(s["level"]))
+                      alpha=float(s["alpha"]), level=float(s["level"]),
+                      min_seeds=int(s["min_seeds"]), min_steps=int(s["min_steps"]))
   out_dir = out_dir or sweep_dir
   os.makedirs(out_dir, exist_ok=True)
   figures = {}
@@ -314,6 +403,8 @@ def main(argv=None) -> None:
                      "loss (default 0.01 = 1%).")
   flags.DEFINE_integer("last_k", None, "Final train loss = mean of the last k steps (10).")
   flags.DEFINE_float("alpha", None, "TOST significance level (0.05).")
+  flags.DEFINE_integer("min_seeds", None, "No verdict with fewer paired seeds (3).")
+  flags.DEFINE_integer("min_steps", None, "No verdict for runs of fewer steps (20).")
   flags.DEFINE_string("out_dir", None, "Where report.md and the plots go (default: SWEEP_DIR).")
   flags.DEFINE_bool("plots", True, "Write PNG plots (needs matplotlib).")
 
@@ -322,7 +413,8 @@ def main(argv=None) -> None:
       raise app.UsageError("usage: python -m infir2_jax.ablation.report SWEEP_DIR [--flags]")
     F = flags.FLAGS
     path = make_report(args[1], F.out_dir, plots=F.plots, reference=F.reference,
-                       margin=F.margin, last_k=F.last_k, alpha=F.alpha)
+                       margin=F.margin, last_k=F.last_k, alpha=F.alpha,
+                       min_seeds=F.min_seeds, min_steps=F.min_steps)
     print(f"wrote {path}")
 
   app.run(_main, argv=argv)

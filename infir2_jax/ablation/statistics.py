@@ -186,3 +186,31 @@ def verdict(test: Tost) -> str:
   if test.ci.low >= test.margin or test.ci.high <= -test.margin:
     return "not equivalent"
   return "inconclusive"
+
+
+
+def tost_power(sd: float, n: int, margin: float, alpha: float = 0.05) -> float:
+  """Power of the paired TOST with n pairs to show equivalence when the true mean difference
+  is 0 and the differences' standard deviation is sd.
+
+  Exact up to quadrature: the mean is N(0, sd^2 / n), independent of the sample sd s with
+  (n-1) s^2 / sd^2 ~ chi^2(n-1), and TOST shows equivalence iff |mean| < margin - t s / sqrt(n)
+  (t = t_{1-alpha, n-1}). With the observed sd it says how likely "equivalent" was for a
+  recipe exactly as good as the reference: at low power a verdict either way is luck.
+  """
+  if n < 2 or not math.isfinite(sd) or sd < 0:
+    return math.nan
+  if sd == 0.0:
+    return 1.0
+  k = n - 1
+  t = t_ppf(1.0 - alpha, k)
+  # u = sqrt(chi^2 value) = sqrt(k) s / sd, integrated up to where margin - t s / sqrt(n) = 0.
+  u = np.linspace(0.0, margin * math.sqrt(n * k) / (t * sd), 4001)
+  s = u * sd / math.sqrt(k)
+  z = (margin - t * s / math.sqrt(n)) * math.sqrt(n) / sd
+  inside = np.array([math.erf(v / math.sqrt(2.0)) for v in z])   # 2 Phi(z) - 1
+  with np.errstate(divide="ignore"):
+    log_u = np.where(u > 0, np.log(np.maximum(u, 1e-300)), -np.inf if k > 1 else 0.0)
+  density = np.exp(math.log(2.0) + (k - 1) * log_u - u * u / 2 - (k / 2) * math.log(2.0)
+                   - math.lgamma(k / 2))
+  return float(np.clip(np.trapezoid(inside * density, u), 0.0, 1.0))

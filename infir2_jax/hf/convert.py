@@ -15,6 +15,11 @@ from infir2_jax.model import ModelConfig
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 # Tensors some exporters add that carry no parameters.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Block-scaled FP8 checkpoints (DeepSeek-V3 / Qwen FP8 / our --fp8 export): a float8 weight
+# W [out, in] comes with W_scale_inv [ceil(out/b0), ceil(in/b1)], its dequantization
+# multiplier per block (w = q * scale_inv), b = quantization_config.weight_block_size.
+FP8_SCALE_SUFFIX = "_scale_inv"
+FP8_DEFAULT_BLOCK = (128, 128)
 # ModelConfig fields that an HF checkpoint determines (the rest are run choices).
 ARCH_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                "num_kv_heads", "head_size", "rope_theta", "rms_norm_eps", "tie_embeddings",
@@ -89,6 +94,21 @@ def model_config_from_hf(config: dict[str, Any] | str, **overrides) -> ModelConf
       dtype="float32")
   fields.update(overrides)
   return ModelConfig(**fields)
+
+
+def fp8_block_size(config: dict[str, Any] | str) -> tuple[int, int]:
+  """The weight block of a block-scaled FP8 checkpoint (quantization_config), else 128x128."""
+  hf = read_config(config) if isinstance(config, str) else config
+  quant = hf.get("quantization_config") or {}
+  if quant and quant.get("quant_method") not in (None, "fp8"):
+    raise ValueError(f"HF config quantization_config.quant_method="
+                     f"{quant.get('quant_method')!r} is not supported; only block-scaled 'fp8' "
+                     "(weight_scale_inv) checkpoints and unquantized ones load")
+  block = quant.get("weight_block_size") or FP8_DEFAULT_BLOCK
+  if len(block) != 2 or any(int(b) <= 0 for b in block):
+    raise ValueError(f"HF config quantization_config.weight_block_size={block!r}: need two "
+                     "positive sizes")
+  return int(block[0]), int(block[1])
 
 
 def hf_config_from_model(cfg: ModelConfig, **extra) -> dict[str, Any]:

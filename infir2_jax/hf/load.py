@@ -2,6 +2,9 @@
 
 Loading never materialises a whole model on the host: tensors are read lazily with
 safetensors' `safe_open`, and with target shardings each device reads only its own slice.
+Block-scaled FP8 checkpoints (float8 weights with `weight_scale_inv`, e.g. our own --fp8
+export or DeepSeek-V3-style FP8 releases) are dequantized while reading: w = q * scale_inv
+per block, the blocks covering the slice read only.
 """
 
 import json
@@ -12,13 +15,35 @@ from typing import Any
 import flax.traverse_util
 import jax
 import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (registers bfloat16/float8 with numpy for safetensors' reader)
+import ml_dtypes  # also registers bfloat16 with numpy for safetensors' reader
 import numpy as np
 from safetensors import safe_open
 
 from infir2_jax.hf.convert import (
-    IGNORED_SUFFIXES, TensorSpec, check_compatible, model_config_from_hf, tensor_specs)
+    FP8_DEFAULT_BLOCK, FP8_SCALE_SUFFIX, IGNORED_SUFFIXES, TensorSpec, check_compatible,
+    fp8_block_size, model_config_from_hf, tensor_specs)
 from infir2_jax.model import ModelConfig, Qwen2, param_shapes
+
+_FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
+class _MappedSlice:
+  """A float8 tensor of a .safetensors file, memory-mapped: [idx] reads only that part."""
+
+  def __init__(self, file: str, name: str, dtype):
+    with open(file, "rb") as f:
+      header_len = int.from_bytes(f.read(8), "little")
+      entry = json.loads(f.read(header_len))[name]
+    begin, end = entry["data_offsets"]
+    self._array = np.memmap(file, np.uint8, "r", offset=8 + header_len + begin,
+                            shape=(end - begin,)).view(dtype).reshape(entry["shape"])
+
+  def get_shape(self) -> list[int]:
+    return list(self._array.shape)
+
+  def __getitem__(self, index):
+    return np.array(self._array[index])
+
 
 class SafetensorsReader:
   """Lazy reader of a checkpoint's tensors: model.safetensors or shards with an index."""
@@ -39,6 +64,11 @@ class SafetensorsReader:
         with safe_open(os.path.join(path, file), "numpy") as f:
           self.files.update({name: os.path.join(path, file) for name in f.keys()})
     self._open: dict[str, Any] = {}
+    # Block-scaled FP8 weights: the block of their weight_scale_inv (None: no FP8 weights).
+    self.fp8_block = None
+    if any(name.endswith(FP8_SCALE_SUFFIX) for name in self.files):
+      has_config = os.path.isfile(os.path.join(path, "config.json"))
+      self.fp8_block = fp8_block_size(path) if has_config else FP8_DEFAULT_BLOCK
 
   def names(self) -> list[str]:
     return list(self.files)
@@ -48,18 +78,60 @@ class SafetensorsReader:
     file = self.files[name]
     if file not in self._open:
       self._open[file] = safe_open(file, "numpy")
-    return self._open[file].get_slice(name)
+    tensor = self._open[file].get_slice(name)
+    if tensor.get_dtype() in _FP8_DTYPES:  # safetensors' numpy reader has no float8 types
+      return _MappedSlice(file, name, _FP8_DTYPES[tensor.get_dtype()])
+    return tensor
 
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self.slice(name).get_shape())
 
 
+def _bounds(index: slice, size: int) -> tuple[int, int]:
+  start, stop, step = index.indices(size)
+  if step != 1:
+    raise ValueError(f"strided reads are not supported, got {index}")
+  return start, stop
+
+
+def _dequantized(reader, name: str, hf_index: tuple[slice, slice], block: tuple[int, int]):
+  """float32 q * scale_inv of the part hf_index ([out, in] layout) of an FP8 weight."""
+  tensor = reader.slice(name)
+  (r0, r1), (c0, c1) = (_bounds(i, n) for i, n in zip(hf_index, tensor.get_shape()))
+  q = tensor[r0:r1, c0:c1].astype(np.float32)
+  (b0, b1), (s0, t0) = block, (r0 // block[0], c0 // block[1])
+  scale = reader.slice(name + FP8_SCALE_SUFFIX)[s0:-(-r1 // b0), t0:-(-c1 // b1)]
+  scale = np.repeat(np.repeat(np.asarray(scale, np.float32), b0, axis=0), b1, axis=1)
+  return q * scale[r0 - s0 * b0:r1 - s0 * b0, c0 - t0 * b1:c1 - t0 * b1]
+
+
 def _read(reader: SafetensorsReader, spec: TensorSpec, index: tuple[slice, ...], dtype):
-  """The part `index` (in our layout) of a tensor, converted to dtype."""
-  tensor = reader.slice(spec.name)
+  """The part `index` (in our layout) of a tensor, converted to dtype (dequantized first
+  when it is a block-scaled FP8 weight)."""
+  hf_index = (index[1], index[0]) if spec.transpose else index
+  if reader.fp8_block is not None and spec.name + FP8_SCALE_SUFFIX in reader.files:
+    value = _dequantized(reader, spec.name, hf_index, reader.fp8_block)
+  else:
+    value = reader.slice(spec.name)[hf_index]
   if spec.transpose:
-    return np.ascontiguousarray(tensor[index[1], index[0]].T).astype(dtype)
-  return tensor[index].astype(dtype)
+    return np.ascontiguousarray(value.T).astype(dtype)
+  return value.astype(dtype)
+
+
+def _check_scales(reader: SafetensorsReader, block: tuple[int, int], wanted: set[str]) -> None:
+  """Every weight_scale_inv belongs to a 2-D weight the model reads, in the block's shape."""
+  for name in reader.names():
+    if not name.endswith(FP8_SCALE_SUFFIX):
+      continue
+    weight = name[:-len(FP8_SCALE_SUFFIX)]
+    if weight not in wanted:
+      continue  # reported with the other tensors the model has no place for
+    shape = reader.shape(weight)
+    expected = tuple(-(-d // b) for d, b in zip(shape, block))
+    if len(shape) != 2 or reader.shape(name) != expected:
+      raise ValueError(f"HF FP8 tensor {name} has shape {reader.shape(name)}; {weight} "
+                       f"{shape} in {block[0]}x{block[1]} blocks needs {expected} (check "
+                       "quantization_config.weight_block_size)")
 
 
 def _check_tensors(reader: SafetensorsReader, specs: dict[str, TensorSpec],
@@ -70,7 +142,9 @@ def _check_tensors(reader: SafetensorsReader, specs: dict[str, TensorSpec],
   if missing:
     raise ValueError(f"HF checkpoint {reader.path} lacks {len(missing)} tensors the config "
                      f"needs, e.g. {missing[:5]}")
-  extra = sorted(n for n in available - wanted
+  scales = {n for n in available
+            if n.endswith(FP8_SCALE_SUFFIX) and n[:-len(FP8_SCALE_SUFFIX)] in wanted}
+  extra = sorted(n for n in available - wanted - scales
                  if not n.endswith(IGNORED_SUFFIXES) and n != "lm_head.weight")
   if extra:
     raise ValueError(f"HF checkpoint {reader.path} has {len(extra)} tensors the model has no "
@@ -89,6 +163,8 @@ def _iter_params(path: str, cfg: ModelConfig) -> Iterator[tuple[Any, str, Tensor
   specs = tensor_specs(cfg)
   shapes = param_shapes(cfg)
   _check_tensors(reader, specs, shapes)
+  if reader.fp8_block is not None:
+    _check_scales(reader, reader.fp8_block, {s.name for s in specs.values()})
   for name, spec in specs.items():
     yield reader, name, spec, shapes[name]
 
@@ -106,7 +182,7 @@ def load_params(path: str, model_cfg: ModelConfig, shardings=None):
       without it, tensors land on the default device.
 
   Returns:
-    The (unboxed) params pytree in model_cfg.param_dtype.
+    The (unboxed) params pytree in model_cfg.param_dtype (FP8 weights dequantized).
   """
   check_compatible(model_config_from_hf(path), model_cfg, path)
   dtype = np.dtype(model_cfg.param_dtype)

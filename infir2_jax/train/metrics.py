@@ -80,7 +80,7 @@ class MetricsWriter:
       self.print(f"step {step}: eval_loss {scalars['eval_loss']:.4f}")
       return
     if self._bar is None and self.cfg.progress_bar:  # created late: start-up lines come first
-      self._bar = tqdm(**self._bar_args)
+      self._bar = _progress_bar(**self._bar_args)
     if self._bar is not None:
       self._bar.n = step
       self._bar.set_postfix_str(_summary(scalars), refresh=False)
@@ -142,6 +142,55 @@ class _EventFile:
 
   def close(self) -> None:
     self._events.close()
+
+
+# Seconds between progress lines when the console is not a terminal (a log file, a pipe).
+LINE_INTERVAL_S = 10.0
+
+
+def _progress_bar(file, **kwargs):
+  """tqdm on a terminal; elsewhere one plain line per interval (a log has no use for the
+  carriage returns of a redrawn bar)."""
+  isatty = getattr(file, "isatty", None)
+  if isatty is not None and isatty():
+    return tqdm(file=file, **kwargs)
+  return _LineProgress(kwargs["total"], kwargs["initial"], kwargs["desc"], file)
+
+
+class _LineProgress:
+  """The part of tqdm's interface the writer uses, printing "train 40/250 (16%) ..." lines:
+  the first step, then at most one line per LINE_INTERVAL_S, and the last step."""
+
+  def __init__(self, total: int, initial: int, desc: str, file):
+    self.total, self.n, self.desc, self.file = total, initial, desc, file
+    self._start, self._t0 = initial, time.perf_counter()
+    self._postfix, self._last_t, self._last_n = "", None, None
+
+  def set_postfix_str(self, text: str, refresh: bool = False) -> None:
+    del refresh
+    self._postfix = text
+
+  def update(self, n: int = 0) -> None:
+    self.n += n
+    now = time.perf_counter()
+    if self._last_t is None or now - self._last_t >= LINE_INTERVAL_S or self.n >= self.total:
+      self._line(now)
+
+  def _line(self, now: float) -> None:
+    if self.n == self._last_n:
+      return
+    elapsed, done = now - self._t0, self.n - self._start
+    eta = (f", ~{(self.total - self.n) * elapsed / done:.0f} s left"
+           if done > 0 and elapsed >= 1.0 else "")
+    self.write(f"{self.desc} {self.n}/{self.total} ({100 * self.n / max(self.total, 1):.0f}%, "
+               f"{elapsed:.0f} s{eta}): {self._postfix}")
+    self._last_t, self._last_n = now, self.n
+
+  def write(self, message: str) -> None:
+    print(message, file=self.file, flush=True)
+
+  def close(self) -> None:
+    self._line(time.perf_counter())
 
 
 def _to_python(value):

@@ -20,8 +20,8 @@ from infir2_jax.data import make_data
 from infir2_jax.model import Qwen2, init_params, projections
 from infir2_jax.model.attention import check_documents, uses_packed_documents
 from infir2_jax.precision import make_dot_general_factory, telemetry
-from infir2_jax.train import preemption, resume, rundir, runlock
-from infir2_jax.train.checkpoint import Checkpointer, abstract_like, all_finite, restore_params
+from infir2_jax.train import preemption, preflight, resume, rundir, runlock, startup
+from infir2_jax.train.checkpoint import Checkpointer, all_finite, restore_params
 from infir2_jax.train.metrics import MetricsWriter, peak_flops_per_device
 from infir2_jax.train.optim import make_optimizer, make_schedule
 from infir2_jax.train.step import make_eval_step, make_train_step
@@ -138,6 +138,10 @@ def _jit_steps(cfg: TrainConfig, model, optimizer, schedule, shardings, place) -
 def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) a run in `workdir`. Returns the last step's and eval metrics.
 
+  Start-up runs cheap checks before expensive ones (startup.py times each phase): config and
+  data, then the abstract state and its memory, then the train step compiled once ahead of
+  time (preflight.py checks that it fits), then the state is restored or allocated.
+
   One trainer per workdir (train/runlock.py). SIGTERM and SIGINT save a checkpoint at the
   next step and raise preemption.Preempted (a SystemExit).
   """
@@ -147,46 +151,83 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
 
 def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   os.makedirs(workdir, exist_ok=True)
-  place = _placement(cfg)
-  data = _make_data(cfg, place)
+  clock = startup.PhaseClock()
+  with clock.phase("config checks"):
+    place = _placement(cfg)
+  with clock.phase("data"):
+    data = _make_data(cfg, place)
+    num_eval = startup.eval_batch_count(cfg, data, log=_print0)
+    eval_batches = [_global_batch(place.checked(b), place.batch, cfg.batch_size)
+                    for b in data.eval_batches(num_eval)] if num_eval else None
   model = build_model(cfg)
   optimizer = make_optimizer(cfg.opt, cfg.steps)
   schedule = make_schedule(cfg.opt, cfg.steps)
-  state, shardings = parallel.sharded_init(
-      functools.partial(init_params, model), optimizer, place.mesh, place.rules,
-      jax.random.key(cfg.seed))
+  # The params do not depend on the recipe: tracing the init through the FP8 dot_generals
+  # only costs time (~25 s of a 1.5B model's start-up on a CPU host).
+  init_fn = functools.partial(init_params, Qwen2(cfg.model))
+  with clock.phase("abstract state"):
+    structs, shardings = parallel.abstract_state(init_fn, optimizer, place.mesh, place.rules)
+    budget = preflight.device_budget(place.mesh.local_devices)
+    preflight.check_state(cfg, structs, budget, len(place.mesh.local_devices), log=_print0)
+  steps, memory = _compile_steps(cfg, model, optimizer, schedule, structs, shardings, place,
+                                 data.special.pad, budget, clock)
 
   checkpointer = Checkpointer(workdir, cfg.checkpoint, owner=True)
   train_iter = iter(data.train)
-  start_step, state = _resume(cfg, workdir, checkpointer, state, shardings, train_iter)
-  steps = _jit_steps(cfg, model, optimizer, schedule, shardings, place)
-  eval_batches = None
-  if cfg.eval.every_steps > 0:
-    eval_batches = [_global_batch(place.checked(b), place.batch, cfg.batch_size)
-                    for b in data.eval_batches(cfg.eval.batches)]
+  with clock.phase("restore"):
+    start_step, state = _resume(cfg, workdir, checkpointer, structs, train_iter)
+  if state is None:
+    with clock.phase("init"):
+      state = _initial_state(cfg, init_fn, optimizer, structs, shardings, place)
+    _write_config(cfg, workdir)
 
   writer = MetricsWriter(workdir, cfg.log, cfg.steps, start_step)
   writer.print(f"{cfg.model.num_params() / 1e6:.1f}M params, recipe {cfg.precision.recipe}, "
                f"mesh {dict(place.mesh.shape)}, {data.summary()}, "
-               + (f"resumed from step {start_step}" if start_step else "from scratch"))
+               + startup.init_source(cfg, start_step))
+  writer.print(startup.precision_line(cfg, steps.train))
+  writer.print(memory)
+  writer.print(clock.line())  # the start-up ends here
   if start_step >= cfg.steps:
     writer.print(f"{workdir} already finished its {cfg.steps} steps; raise --config.steps to go on")
   loop = _Loop(cfg, place, steps, eval_batches, checkpointer, writer, start_step)
   try:
     with preemption.StopRequests() as stop:
-      return loop.run(state, train_iter, stop)
+      last = loop.run(state, train_iter, stop)
   finally:
     checkpointer.close()
     writer.close()
+  _print0(startup.closing_summary(cfg, workdir, last, start_step=start_step,
+                                  wall_s=clock.elapsed(), startup_s=clock.startup_s))
+  return last
 
 
-def _say(message: str) -> None:
+def _print0(message: str) -> None:
   if jax.process_index() == 0:
     print(message, flush=True)
 
 
-def _resume(cfg, workdir, checkpointer, state, shardings, train_iter):
-  """(start step, state): the newest checkpoint that restores, else a fresh start.
+def _compile_steps(cfg, model, optimizer, schedule, structs, shardings, place, pad_id, budget,
+                   clock):
+  """The jitted steps, train and eval compiled ahead of time from abstract shapes (each once:
+  the loop calls these executables), and the train step's memory checked before any state
+  exists. Returns (steps, the memory line)."""
+  steps = _jit_steps(cfg, model, optimizer, schedule, shardings, place)
+  batch = startup.abstract_batch(cfg, pad_id, place.batch)
+  devices = len(place.mesh.local_devices)
+  with place.context():
+    with clock.phase("train step compile"):
+      train_step = preflight.compile_step(steps.train, structs, batch)
+      memory = preflight.check_step(cfg, train_step, budget, devices, log=_print0)
+    with clock.phase("eval step compile"):
+      eval_step = preflight.compile_step(steps.eval, structs["params"], batch)
+  memory += (f"; train step traced in {train_step.lower_s:.1f} s, compiled in "
+             f"{train_step.compile_s:.1f} s")
+  return dataclasses.replace(steps, train=train_step.compiled, eval=eval_step.compiled), memory
+
+
+def _resume(cfg, workdir, checkpointer, structs, train_iter):
+  """(start step, state): the newest checkpoint that restores, else (0, None).
 
   A config whose train state has another shape than the run's is refused first (before any
   checkpoint could be taken for damaged); other changes are recorded once resumed.
@@ -194,18 +235,15 @@ def _resume(cfg, workdir, checkpointer, state, shardings, train_iter):
   try:
     changes = (resume.check(cfg, workdir, _state_structure)
                if rundir.checkpoint_steps(workdir) else {})
-    start_step, restored = checkpointer.restore_latest(abstract_like(state, shardings),
-                                                       train_iter, log=_say)
+    start_step, restored = checkpointer.restore_latest(structs, train_iter, log=_print0)
   except BaseException:
     checkpointer.close()
     raise
   if restored is None:
-    state["params"] = _initial_params(cfg, state["params"], shardings["params"])
-    _write_config(cfg, workdir)
-    return 0, state
+    return 0, None
   if jax.process_index() == 0:
     if changes:
-      _say(resume.record(cfg, workdir, start_step, changes))
+      _print0(resume.record(cfg, workdir, start_step, changes))
     elif rundir.config_dict(workdir) is None:
       rundir.write_config(workdir, cfg)
   return start_step, restored
@@ -375,18 +413,20 @@ def _telemetry_step(cfg, model, optimizer, schedule, shardings, place):
   return step, sinks
 
 
-def _initial_params(cfg: TrainConfig, params, param_shardings):
-  """Random init, or weights from an HF checkpoint / another run, placed shard by shard.
-
-  The Adam moments of the fresh state stay zero, which is right whatever the params are.
-  """
+def _initial_state(cfg: TrainConfig, init_fn, optimizer, structs, shardings, place):
+  """Step 0's state: random init, or weights from an HF checkpoint / another run, placed
+  shard by shard (then no random init is compiled or run). Adam moments start at zero."""
   if cfg.init.hf_checkpoint:
     from infir2_jax import hf  # pylint: disable=g-import-not-at-top
-    return hf.load_params(cfg.init.hf_checkpoint, cfg.model, param_shardings)
-  if cfg.init.from_run:
+    params = hf.load_params(cfg.init.hf_checkpoint, cfg.model, shardings["params"])
+  elif cfg.init.from_run:
     step = None if cfg.init.from_run_step < 0 else cfg.init.from_run_step
-    return restore_params(cfg.init.from_run, abstract_like(params, param_shardings), step)
-  return params
+    params = restore_params(cfg.init.from_run, structs["params"], step)
+  else:
+    return parallel.sharded_init(init_fn, optimizer, place.mesh, place.rules,
+                                 jax.random.key(cfg.seed))[0]
+  with place.context():
+    return startup.fresh_state(params, optimizer, shardings)
 
 
 def _write_config(cfg: TrainConfig, workdir: str) -> None:
