@@ -38,6 +38,10 @@ class OptConfig:
   eps: float = 1e-8
   weight_decay: float = 0.1        # decoupled; never applied to norms or biases
   clip_norm: float = 1.0           # global-norm clipping (0 = off)
+  # Adam's stored moments: "fp32" (optax.adamw) | "bf16" (4 bytes/param, not 8) | "fp8" (E4M3
+  # with per-128-group scales and range expansion, ~2.1 bytes/param); train/moments.py.
+  # The update is computed in float32 either way; master weights stay in model.param_dtype.
+  moments: str = "fp32"
 
   def __post_init__(self):
     if self.schedule not in ("wsd", "cosine", "constant"):
@@ -48,6 +52,8 @@ class OptConfig:
       raise ValueError(f"opt.decay_fraction must be in [0, 1], got {self.decay_fraction}")
     if self.warmup_steps < 0:
       raise ValueError(f"opt.warmup_steps must be >= 0, got {self.warmup_steps}")
+    if self.moments not in ("fp32", "bf16", "fp8"):
+      raise ValueError(f"opt.moments={self.moments!r}; valid: 'fp32', 'bf16', 'fp8'")
 
 
 @dataclasses.dataclass(frozen=True)
