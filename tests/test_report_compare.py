@@ -10,6 +10,8 @@ import pytest
 from infir2_jax.ablation import report
 from infir2_jax.ablation import sweep
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _write_run(root, moments, seed, offset):
   """A finished run of the moments sweep: recipe fixed (in config.json), moments on the grid."""
@@ -63,3 +65,20 @@ def test_make_report_takes_compare_from_the_sweep_record(moments_sweep):
   assert "| opt.moments | seeds |" in text and "| `fp8` |" in text
   with open(os.path.join(moments_sweep, "runs.csv")) as f:
     assert {row["recipe"] for row in csv.DictReader(f)} == {"fp32", "bf16", "fp8"}
+
+
+def test_moments_sweep_config_is_the_default_sweep_over_opt_moments():
+  from infir2_jax.ablation import grid  # pylint: disable=import-outside-toplevel
+  spec = grid.load_spec(os.path.join(ROOT, "configs/sweeps/moments.py"))
+  default = grid.load_spec(os.path.join(ROOT, "configs/sweeps/default.py"))
+  runs = grid.expand(spec)
+  assert len(runs) == 9 and dict(spec.axes) == {"seed": (0, 1, 2),
+                                                "opt.moments": ("fp32", "bf16", "fp8")}
+  overrides = dict(spec.overrides)
+  assert overrides.pop("precision.recipe") == "infir2"
+  assert overrides.pop("precision.telemetry_every_steps") == 0
+  base = dict(default.overrides)
+  base.pop("precision.telemetry_every_steps")
+  assert overrides == base   # the same steps, batches, warm-up, eval and checkpoints
+  assert dict(spec.report)["compare"] == "opt.moments" and dict(spec.report)["reference"] == "fp32"
+  grid.check_runs(spec, runs)
