@@ -58,6 +58,10 @@ class OptConfig:
   eps: float = 1e-8                # Adam denominator epsilon, > 0 (0 gives 0/0 = NaN)
   weight_decay: float = 0.1        # decoupled; never applied to norms or biases
   clip_norm: float = 1.0           # global-norm clipping (0 = off)
+  # Adam's stored moments: "fp32" (optax.adamw) | "bf16" (4 bytes/param, not 8) | "fp8" (E4M3
+  # with per-128-group scales and range expansion, ~2.1 bytes/param); train/moments.py.
+  # The update is computed in float32 either way; master weights stay in model.param_dtype.
+  moments: str = "fp32"
 
   def __post_init__(self):
     if self.schedule not in ("wsd", "cosine", "constant"):
@@ -71,6 +75,8 @@ class OptConfig:
     check_range("opt.eps", self.eps, 0.0, lo_open=True)
     check_range("opt.weight_decay", self.weight_decay, 0.0)
     check_range("opt.clip_norm", self.clip_norm, 0.0)
+    if self.moments not in ("fp32", "bf16", "fp8"):
+      raise ValueError(f"opt.moments={self.moments!r}; valid: 'fp32', 'bf16', 'fp8'")
 
 
 @dataclasses.dataclass(frozen=True)

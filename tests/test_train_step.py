@@ -3,6 +3,7 @@
 import dataclasses
 
 import flax.linen as nn
+import flax.traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,3 +157,105 @@ def test_loss_chunk_must_divide_the_sequence():
     loss_sums(model, params, make_batch())
   with pytest.raises(ValueError, match="loss_chunk must be >= 0"):
     dataclasses.replace(TINY, loss_chunk=-1)
+
+
+# --- warm-up that fits the run (issue 22 item 5) ---------------------------------------------
+
+def test_smoke_run_leaves_warm_up_and_decays():
+  """configs/default.py:smoke is 20 steps with the default 30 warm-up steps: it used to end at
+  the peak lr. Now the warm-up is shortened to fit (with a warning) and the run decays."""
+  from infir2_jax.config import TrainConfig, load_config  # pylint: disable=import-outside-toplevel
+  cfg = load_config("configs/default.py:smoke", [])
+  assert cfg.steps < cfg.opt.warmup_steps
+  with pytest.warns(UserWarning, match=r"opt.warmup_steps=30 does not fit a 20-step run"):
+    lr = make_schedule(cfg.opt, cfg.steps)
+  last = float(lr(cfg.steps - 1))   # the lr of the run's last update
+  assert last < 0.5 * cfg.opt.lr, last
+  np.testing.assert_allclose(float(lr(cfg.steps)), cfg.opt.lr * cfg.opt.min_lr_ratio, rtol=1e-6)
+  assert max(float(lr(s)) for s in range(cfg.steps)) == pytest.approx(cfg.opt.lr)  # reached
+  del TrainConfig
+
+
+@pytest.mark.parametrize("schedule", ["wsd", "cosine", "constant"])
+def test_warm_up_longer_than_the_run_is_shortened_for_every_schedule(schedule):
+  cfg = OptConfig(lr=1.0, schedule=schedule, warmup_steps=50, min_lr_ratio=0.1)
+  with pytest.warns(UserWarning, match="opt.warmup_steps=50"):
+    lr = make_schedule(cfg, 40)
+  peak_at = int(np.argmax([float(lr(s)) for s in range(41)]))
+  assert float(lr(peak_at)) == pytest.approx(1.0)
+  if schedule == "constant":
+    assert peak_at == 20 and float(lr(39)) == pytest.approx(1.0)  # half the run at its lr
+  else:
+    assert float(lr(40)) == pytest.approx(0.1) and float(lr(39)) < 0.5   # it decays
+
+
+def test_a_warm_up_that_fits_is_kept_without_a_warning():
+  import warnings  # pylint: disable=import-outside-toplevel
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    lr = make_schedule(OptConfig(lr=1.0, warmup_steps=30), 250)   # the default run
+    make_schedule(OptConfig(lr=1.0, warmup_steps=2), 10)          # the sweep's tiny variant
+  assert float(lr(15)) == pytest.approx(0.5) and float(lr(30)) == pytest.approx(1.0)
+
+
+# --- gradients in the compute dtype (issue 25 item 2) ----------------------------------------
+
+def _bf16_gradient_params(model, params) -> set[str]:
+  from infir2_jax.train.grads import compute_dtypes  # pylint: disable=import-outside-toplevel
+  found = compute_dtypes(lambda p, b: loss_sums(model, p, b), params, make_batch())
+  flat = jax.tree_util.tree_flatten_with_path(found, is_leaf=lambda x: x is None)[0]
+  assert {v for _, v in flat} <= {None, jnp.dtype(jnp.bfloat16)}
+  return {"/".join(k.key for k in path) for path, v in flat if v is not None}
+
+
+def test_bf16_gradients_where_they_are_a_gemm_output_or_a_scanned_slice():
+  cfg = dataclasses.replace(TINY, dtype="bfloat16", tie_embeddings=False, remat="full")
+  model = Qwen2(cfg)
+  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  names = set(flax.traverse_util.flatten_dict(params, sep="/"))
+  kernels = {n for n in names if n.endswith("/kernel")}
+  # unrolled layers: the projections' kernels (GEMM operands); not the norms, biases or the
+  # gathered embedding (elementwise / gather cotangents XLA may keep in float32)
+  assert _bf16_gradient_params(model, params) == kernels
+  # scanned layers: every layer param is a slice of the loop's bf16 gradient
+  scanned = Qwen2(dataclasses.replace(cfg, scan_layers=True))
+  assert _bf16_gradient_params(scanned, params) == {
+      n for n in names if n.startswith("layers_")} | {"lm_head/kernel"}
+  # the LM head inside model.loss_chunk's scan is cast in every chunk: a float32 sum
+  chunked = Qwen2(dataclasses.replace(cfg, loss_chunk=8))
+  assert _bf16_gradient_params(chunked, params) == kernels - {"lm_head/kernel"}
+  # the tied embedding's cast copy is used twice (lookup and head): a summed cotangent
+  tied = Qwen2(dataclasses.replace(cfg, tie_embeddings=True))
+  tied_params = nn.unbox(tied.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  assert "embed_tokens/embedding" not in _bf16_gradient_params(tied, tied_params)
+  # a float32 model casts nothing
+  assert not _bf16_gradient_params(Qwen2(dataclasses.replace(cfg, dtype="float32")), params)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_bf16_gradients_are_the_float32_gradients_bit_for_bit(scan):
+  """The compute-dtype gradients, converted, equal those of the float32 params exactly; the
+  step built on them matches one differentiating the float32 params (to float32 rounding
+  of two differently fused optimizer graphs). Accumulation: test_gradient_accumulation_*."""
+  from infir2_jax.train.step import compute_dtype_grad_fn  # pylint: disable=import-outside-toplevel
+  cfg = dataclasses.replace(TINY, dtype="bfloat16", tie_embeddings=False, scan_layers=scan)
+  model = Qwen2(cfg)
+  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  batch = make_batch()
+  (sums, grads) = jax.jit(compute_dtype_grad_fn(model))(params, batch)
+  (ref_sums, ref_grads) = jax.jit(jax.value_and_grad(
+      lambda p, b: loss_sums(model, p, b), has_aux=True))(params, batch)
+  assert float(sums[0]) == float(ref_sums[0])
+  assert any(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+  for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), ref)
+
+  opt_cfg = OptConfig(lr=1e-2, warmup_steps=0)
+  tx = make_optimizer(opt_cfg, 10)
+  state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
+  new, _ = jax.jit(make_train_step(model, tx, make_schedule(opt_cfg, 10)))(state, batch)
+  g = jax.tree.map(lambda x: x / batch["loss_mask"].sum(), ref_grads)
+  updates, ref_opt = tx.update(g, state["opt_state"], params)
+  for a, b in zip(jax.tree.leaves((new["params"], new["opt_state"])),
+                  jax.tree.leaves((optax.apply_updates(params, updates), ref_opt))):
+    np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-8)

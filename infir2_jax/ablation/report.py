@@ -34,9 +34,10 @@ from infir2_jax.ablation import statistics
 from infir2_jax.ablation import sweep
 from infir2_jax.train import rundir
 
-DEFAULTS = {"reference": "bf16", "margin": 0.01, "last_k": 10, "alpha": 0.05, "level": 0.95,
-            "min_seeds": 3, "min_steps": 20}
 RECIPE_KEY, SEED_KEY = "precision.recipe", "seed"
+# compare: the grid axis whose values are compared (its reference value vs the others).
+DEFAULTS = {"reference": "bf16", "compare": RECIPE_KEY, "margin": 0.01, "last_k": 10,
+            "alpha": 0.05, "level": 0.95, "min_seeds": 3, "min_steps": 20}
 # Config keys that do not change what a run computes: differing in them still pairs runs.
 NEUTRAL_KEYS = ("checkpoint.", "log.progress_bar", "log.tensorboard", "log.peak_tflops",
                 "data.num_workers", "data.prefetch", "data.cache_dir")
@@ -66,14 +67,21 @@ class RunData:
     return float(self.eval_loss[-1]) if self.eval_loss.size else math.nan
 
 
-def load_run(run_dir: str) -> RunData:
-  """A run directory (metrics.jsonl, config.json, the sweep's markers) as RunData."""
+def _config_value(config: dict, key: str, default="?"):
+  for part in key.split("."):
+    config = config.get(part, {}) if isinstance(config, dict) else {}
+  return default if config == {} else config
+
+
+def load_run(run_dir: str, compare: str = RECIPE_KEY) -> RunData:
+  """A run directory (metrics.jsonl, config.json, the sweep's markers) as RunData; its
+  `recipe` is its value of the compared axis `compare` (the precision recipe by default)."""
   records = rundir.read_metrics(run_dir)
   config = rundir.config_dict(run_dir) or {}
   axes = (rundir.read_json(os.path.join(run_dir, sweep.RUN_FILE)) or {}).get("axes", {})
-  recipe = axes.get(RECIPE_KEY, config.get("precision", {}).get("recipe", "?"))
+  recipe = axes.get(compare, _config_value(config, compare))
   seed = int(axes.get(SEED_KEY, config.get("seed", -1)))
-  group = tuple(sorted((k, v) for k, v in axes.items() if k not in (RECIPE_KEY, SEED_KEY)))
+  group = tuple(sorted((k, v) for k, v in axes.items() if k not in (compare, SEED_KEY)))
   train = [r for r in records if "loss" in r]
   evals = [r for r in records if "eval_loss" in r]
   telemetry = [{k: v for k, v in r.items() if k.startswith("fp8/") or k == "step"}
@@ -88,7 +96,7 @@ def load_run(run_dir: str) -> RunData:
       eval_steps=np.array([r["step"] for r in evals], np.int64),
       eval_loss=np.array([r["eval_loss"] for r in evals], np.float64),
       telemetry=telemetry, wall_s=marker.get("wall_s"), config=_flat(config),
-      swept=tuple(sorted({RECIPE_KEY, SEED_KEY} | set(axes))))
+      swept=tuple(sorted({RECIPE_KEY, SEED_KEY, compare} | set(axes))))
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -117,7 +125,7 @@ def _split_by_config(runs: list[RunData]) -> list[RunData]:
   return runs
 
 
-def load_runs(sweep_dir: str) -> list[RunData]:
+def load_runs(sweep_dir: str, compare: str = RECIPE_KEY) -> list[RunData]:
   """Every run directory under sweep_dir (those with metrics.jsonl or a sweep marker)."""
   if not os.path.isdir(sweep_dir):
     raise FileNotFoundError(f"sweep directory {sweep_dir!r} does not exist")
@@ -126,7 +134,7 @@ def load_runs(sweep_dir: str) -> list[RunData]:
     path = os.path.join(sweep_dir, name)
     if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in (
         rundir.METRICS_FILE, sweep.RUN_FILE)):
-      runs.append(load_run(path))
+      runs.append(load_run(path, compare))
   if not runs:
     raise ValueError(f"no run directories (with metrics.jsonl) in {sweep_dir!r}")
   return _split_by_config(runs)
@@ -269,6 +277,7 @@ def markdown(summary: dict[tuple, list[RecipeSummary]], runs: list[RunData],
              telemetry: str = "") -> str:
   """The report text; plots maps a caption to a PNG file name next to report.md."""
   s = settings
+  label = "recipe" if s.get("compare", RECIPE_KEY) == RECIPE_KEY else s["compare"]
   lines = ["# Precision sweep report", ""]
   if sweep_record:
     spec = sweep_record.get("spec", {})
@@ -308,7 +317,7 @@ def markdown(summary: dict[tuple, list[RecipeSummary]], runs: list[RunData],
     ref_row = rows[0] if rows[0].recipe == s["reference"] else None
     ref_train = ref_row.train.mean if ref_row and ref_row.train else None
     ref_val = ref_row.val.mean if ref_row and ref_row.val else None
-    lines += ["| recipe | seeds | train loss | val loss | Δ train [CI] | Δ val [CI] |",
+    lines += [f"| {label} | seeds | train loss | val loss | Δ train [CI] | Δ val [CI] |",
               "|---|---|---|---|---|---|"]
     for r in rows:
       lines.append(f"| `{r.recipe}` | {len(r.seeds)} | {_fmt_ci(r.train)} | {_fmt_ci(r.val)} "
@@ -318,7 +327,7 @@ def markdown(summary: dict[tuple, list[RecipeSummary]], runs: list[RunData],
                 "compared with anything."]
     elif len(rows) > 1:
       lines += ["", f"Equivalence to `{s['reference']}` (TOST):", "",
-                "| recipe | validation loss | train loss |", "|---|---|---|"]
+                f"| {label} | validation loss | train loss |", "|---|---|---|"]
     for r in rows[1:] if ref_row is not None else ():
       diverged = [name for name, status in r.not_done if status == "diverged"]
       if diverged:  # a recipe that diverged on any seed is not equivalent, whatever the rest say
@@ -339,7 +348,7 @@ def markdown(summary: dict[tuple, list[RecipeSummary]], runs: list[RunData],
   if telemetry:
     lines += [telemetry, ""]
   figures(True)
-  lines += ["## Runs", "", "| run | recipe | seed | status | final train loss | val loss | "
+  lines += ["## Runs", "", f"| run | {label} | seed | status | final train loss | val loss | "
             "wall (s) |", "|---|---|---|---|---|---|---|"]
   for r in runs:
     wall = f"{r.wall_s:.0f}" if r.wall_s is not None else "—"
@@ -378,7 +387,7 @@ def make_report(sweep_dir: str, out_dir: str | None = None, *, plots: bool = Tru
     raise ValueError(f"unknown report setting(s) {unknown}; valid: {sorted(DEFAULTS)}")
   s = {k: settings.get(k) if settings.get(k) is not None else from_sweep.get(k, v)
        for k, v in DEFAULTS.items()}
-  runs = load_runs(sweep_dir)
+  runs = load_runs(sweep_dir, s["compare"])
   summary = summarize(runs, s["reference"], last_k=int(s["last_k"]), margin=float(s["margin"]),
                       alpha=float(s["alpha"]), level=float(s["level"]),
                       min_seeds=int(s["min_seeds"]), min_steps=int(s["min_steps"]))
@@ -399,6 +408,7 @@ def make_report(sweep_dir: str, out_dir: str | None = None, *, plots: bool = Tru
 def main(argv=None) -> None:
   from absl import app, flags
   flags.DEFINE_string("reference", None, "Recipe the others are compared to (default bf16).")
+  flags.DEFINE_string("compare", None, "The grid axis compared (default precision.recipe).")
   flags.DEFINE_float("margin", None, "Equivalence margin, relative to the reference's mean "
                      "loss (default 0.01 = 1%).")
   flags.DEFINE_integer("last_k", None, "Final train loss = mean of the last k steps (10).")
@@ -413,7 +423,7 @@ def main(argv=None) -> None:
       raise app.UsageError("usage: python -m infir2_jax.ablation.report SWEEP_DIR [--flags]")
     F = flags.FLAGS
     path = make_report(args[1], F.out_dir, plots=F.plots, reference=F.reference,
-                       margin=F.margin, last_k=F.last_k, alpha=F.alpha,
+                       compare=F.compare, margin=F.margin, last_k=F.last_k, alpha=F.alpha,
                        min_seeds=F.min_seeds, min_steps=F.min_steps)
     print(f"wrote {path}")
 

@@ -7,9 +7,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from infir2_jax.parallel.mesh import Rules, mesh_axes_of, replicated, ways
+from infir2_jax.parallel.mesh import Rules, as_axes, mesh_axes_of, replicated, ways
 
 
 def _param_spec_problems(abstract_boxed_params, mesh: Mesh, rules: Rules) -> list[str]:
@@ -41,13 +41,25 @@ def param_shardings(abstract_boxed_params, mesh: Mesh, rules: Rules) -> Any:
   return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
+def fit_sharding(leaf, sharding: NamedSharding) -> NamedSharding:
+  """A param's sharding for an optimizer-state leaf at that param's place: as it is where the
+  leaf splits evenly (Adam's moments, of the param's shape); another shape (the per-group
+  scales of FP8 moments, train/moments.py) keeps the mesh axes on the dims they split
+  evenly and is replicated on the others."""
+  spec = tuple(sharding.spec)[:leaf.ndim]
+  spec += (None,) * (leaf.ndim - len(spec))
+  fitted = tuple(axes if dim % ways(sharding.mesh, as_axes(axes)) == 0 else None
+                 for dim, axes in zip(leaf.shape, spec))
+  return sharding if fitted == spec else NamedSharding(sharding.mesh, P(*fitted))
+
+
 def state_shardings(abstract_boxed_params, optimizer: optax.GradientTransformation,
                     mesh: Mesh, rules: Rules) -> dict[str, Any]:
   """Shardings of {"step", "params", "opt_state"}: Adam moments follow their params."""
   params = param_shardings(abstract_boxed_params, mesh, rules)
   abstract_opt_state = jax.eval_shape(optimizer.init, nn.unbox(abstract_boxed_params))
   opt_state = optax.tree_map_params(
-      optimizer, lambda _, sharding: sharding, abstract_opt_state, params,
+      optimizer, fit_sharding, abstract_opt_state, params,
       transform_non_params=lambda _: replicated(mesh))
   return {"step": replicated(mesh), "params": params, "opt_state": opt_state}
 

@@ -1,15 +1,46 @@
-"""optax AdamW on the float32 master parameters, with WSD / cosine / constant schedules."""
+"""optax AdamW on the float32 master parameters, with WSD / cosine / constant schedules.
+
+Adam's moments are stored as opt.moments says: float32 (optax.adamw itself), or bf16 / FP8
+through train/moments.py; the update is float32 either way.
+"""
+
+import warnings
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from infir2_jax.config import OptConfig
+from infir2_jax.train.moments import scale_by_adam_stored
+
+
+def _decay_steps(cfg: OptConfig, total_steps: int) -> int:
+  return max(int(round(total_steps * cfg.decay_fraction)), 1)
+
+
+def warmup_steps(cfg: OptConfig, total_steps: int) -> int:
+  """opt.warmup_steps, shortened (with a warning) where the run would not leave warm-up.
+
+  The warm-up may take at most the steps before the decay: wsd keeps its last
+  decay_fraction of the steps to decay, cosine keeps half the run to decay and constant half
+  the run at its lr. Without this a run shorter than its warm-up (configs/default.py:smoke,
+  20 steps against 30) ended at the peak lr.
+  """
+  limit = (total_steps - _decay_steps(cfg, total_steps) if cfg.schedule == "wsd"
+           else total_steps // 2)
+  limit = max(limit, 0)
+  if cfg.warmup_steps <= limit:
+    return cfg.warmup_steps
+  warnings.warn(
+      f"opt.warmup_steps={cfg.warmup_steps} does not fit a {total_steps}-step run with the "
+      f"{cfg.schedule!r} schedule; warming up over {limit} steps instead (set "
+      f"opt.warmup_steps <= {limit} to silence this)", UserWarning, stacklevel=2)
+  return limit
 
 
 def make_schedule(cfg: OptConfig, total_steps: int) -> optax.Schedule:
   """Learning rate as a function of the optimizer step."""
-  warmup = min(cfg.warmup_steps, total_steps)
+  warmup = warmup_steps(cfg, total_steps)
   final_lr = cfg.lr * cfg.min_lr_ratio
   if cfg.schedule == "cosine":
     return optax.warmup_cosine_decay_schedule(
@@ -17,7 +48,7 @@ def make_schedule(cfg: OptConfig, total_steps: int) -> optax.Schedule:
   warmup_fn = optax.linear_schedule(0.0, cfg.lr, max(warmup, 1))
   if cfg.schedule == "constant":
     return optax.join_schedules([warmup_fn, optax.constant_schedule(cfg.lr)], [warmup])
-  decay_steps = max(int(round(total_steps * cfg.decay_fraction)), 1)
+  decay_steps = _decay_steps(cfg, total_steps)
   stable_steps = max(total_steps - warmup - decay_steps, 0)
   return optax.join_schedules(
       [warmup_fn, optax.constant_schedule(cfg.lr),
@@ -30,11 +61,20 @@ def decay_mask(params):
   return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
 
 
+def _adamw(cfg: OptConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+  """AdamW with its moments stored as cfg.moments says (optax.adamw's chain for fp32)."""
+  if cfg.moments == "fp32":
+    return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                       weight_decay=cfg.weight_decay, mask=decay_mask)
+  return optax.chain(
+      scale_by_adam_stored(cfg.b1, cfg.b2, cfg.eps, moments=cfg.moments),
+      optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+      optax.scale_by_learning_rate(schedule))
+
+
 def make_optimizer(cfg: OptConfig, total_steps: int) -> optax.GradientTransformation:
-  """Global-norm clipping then AdamW; all state float32 like the master parameters."""
-  schedule = make_schedule(cfg, total_steps)
-  adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                      weight_decay=cfg.weight_decay, mask=decay_mask)
+  """Global-norm clipping then AdamW; float32 updates of the master parameters."""
+  adamw = _adamw(cfg, make_schedule(cfg, total_steps))
   if cfg.clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
   return adamw

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from infir2_jax.train import grads as grads_lib
 from infir2_jax.train.loss import chunked_cross_entropy_sums, cross_entropy_sums
 from infir2_jax.precision import telemetry
 
@@ -48,9 +49,30 @@ def _telemetry_grad_fn(model: nn.Module):
     return loss_sum, (tokens, variables[telemetry.STATS])
 
   def grad_fn(params, sinks, batch):
+    params = grads_lib.cast_to(
+        params, grads_lib.compute_dtypes(lambda p: loss_fn(p, sinks, batch), params))
     (loss_sum, (tokens, fwd_stats)), (grads, sink_grads) = jax.value_and_grad(
         loss_fn, argnums=(0, 1), has_aux=True)(params, sinks, batch)
+    grads = jax.lax.optimization_barrier(grads)   # see compute_dtype_grad_fn
     return (loss_sum, tokens), grads, {"fwd": fwd_stats, "bwd": sink_grads}
+  return grad_fn
+
+
+def compute_dtype_grad_fn(model: nn.Module) -> Callable:
+  """(params, batch) -> ((loss_sum, tokens), grads), each gradient in the dtype the model
+  casts its param to where that is exact (train/grads.py), else in the param's dtype.
+
+  The gradients leave through an optimization barrier: without it XLA fuses the later
+  conversion to float32 into the fusions that produce them (the 7B's layer unstacking), and
+  the float32 copies are back.
+  """
+  loss_fn = lambda p, b: loss_sums(model, p, b)
+  value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def grad_fn(params, batch):
+    dtypes = grads_lib.compute_dtypes(loss_fn, params, batch)
+    sums, grads = value_and_grad(grads_lib.cast_to(params, dtypes), batch)
+    return sums, jax.lax.optimization_barrier(grads)
   return grad_fn
 
 
@@ -63,11 +85,18 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
   over all micro-batches: exact per-token averaging however the mask falls (SFT), which
   averaging per-micro-batch means (optax.MultiSteps) would not give.
 
+  Memory: each gradient comes out of the backward pass in the dtype the model computes with
+  (bf16) wherever its float32 value would only be that bf16 value converted (train/grads.py),
+  and becomes float32 inside the optimizer's update. Before, XLA kept a float32 copy of every
+  gradient until the global norm had seen them all (4 bytes per parameter; the 7B's
+  scanned layers unstack theirs into float32 buffers). Micro-batches still accumulate in
+  float32 (a bf16 sum would round): one float32 sum plus one micro-batch's bf16 gradients.
+
   With `telemetry_model` (the same model built with a telemetry dot_general factory) the step
   is train_step(state, batch, sinks) and metrics["fp8"] holds the FP8 numerics of the first
   micro-batch (precision.telemetry.summarize turns it into scalars). Use it every N steps.
   """
-  grad_fn = jax.value_and_grad(lambda p, b: loss_sums(model, p, b), has_aux=True)
+  grad_fn = compute_dtype_grad_fn(model)
   telemetry_grad_fn = telemetry_model and _telemetry_grad_fn(telemetry_model)
 
   def train_step(state: State, batch: Batch, sinks=None):
@@ -79,17 +108,18 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
       (loss_sum, num_tokens), grad_sums, fp8_stats = telemetry_grad_fn(params, sinks, first)
     else:
       (loss_sum, num_tokens), grad_sums = grad_fn(params, first)
+    as_param = lambda g, p: g.astype(p.dtype)
     if grad_accum_steps > 1:
       def accumulate(carry, microbatch):
         (loss_sum, num_tokens), grads = grad_fn(params, microbatch)
         acc_loss, acc_tokens, acc_grads = carry
         return (acc_loss + loss_sum, acc_tokens + num_tokens,
-                jax.tree.map(jnp.add, acc_grads, grads)), None
+                jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_grads, grads)), None
       rest = jax.tree.map(lambda x: x[1:], microbatches)
       (loss_sum, num_tokens, grad_sums), _ = jax.lax.scan(
-          accumulate, (loss_sum, num_tokens, grad_sums), rest)
+          accumulate, (loss_sum, num_tokens, jax.tree.map(as_param, grad_sums, params)), rest)
     denom = jnp.maximum(num_tokens, 1.0)
-    grads = jax.tree.map(lambda g: g / denom, grad_sums)
+    grads = jax.tree.map(lambda g, p: as_param(g, p) / denom, grad_sums, params)
     updates, opt_state = optimizer.update(grads, state["opt_state"], params)
     new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
                  "opt_state": opt_state}
