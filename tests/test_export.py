@@ -306,3 +306,21 @@ def test_export_reads_only_verified_committed_checkpoints(run, tmp_path):
   with pytest.raises(ValueError, match="checkpoint 7 .* is damaged: .*checksum"):
     export.export_run(workdir, str(tmp_path / "b"))
   assert not (tmp_path / "b").exists()
+
+
+def test_export_files_are_world_readable_and_the_read_is_quiet(run, tmp_path, caplog):
+  """safetensors writes 0600 files (a model server run by another user could not read them);
+  reading the step's `state` item logged orbax's spurious "Metadata file does not exist"."""
+  import logging  # pylint: disable=import-outside-toplevel
+  workdir, _ = run
+  out = str(tmp_path / "hf")
+  umask = os.umask(0o022)
+  try:
+    with caplog.at_level(logging.INFO):
+      export.export_run(workdir, out, fp8=True)
+  finally:
+    os.umask(umask)
+  modes = {name: os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)}
+  assert modes and all(mode == 0o644 for mode in modes.values()), modes
+  assert not [r.getMessage() for r in caplog.records
+              if "Metadata file does not exist" in r.getMessage()]

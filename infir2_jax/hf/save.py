@@ -85,6 +85,7 @@ class ShardedWriter:
   def _flush(self) -> None:
     tmp = f"part-{len(self.files):05d}.safetensors"
     save_file(self.pending, os.path.join(self.out_dir, tmp), metadata={"format": "pt"})
+    _readable(os.path.join(self.out_dir, tmp))
     self.files.append((tmp, list(self.pending)))
     self.pending = {}
 
@@ -104,6 +105,13 @@ class ShardedWriter:
                   {"metadata": {"total_size": self.total},
                    "weight_map": dict(sorted(weight_map.items()))})
     return names
+
+
+def _readable(path: str) -> None:
+  """Normal file permissions (0644 under the usual umask): safetensors writes 0600."""
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(path, 0o666 & ~umask)
 
 
 def _write_json(path: str, obj) -> None:

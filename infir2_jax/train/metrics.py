@@ -50,6 +50,7 @@ class MetricsWriter:
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, rundir.METRICS_FILE)
     _end_last_line(path)
+    keep_rows_through(workdir, start_step)
     self._jsonl = open(path, "a", buffering=1)
     if cfg.tensorboard:
       try:
@@ -209,6 +210,39 @@ def _summary(scalars: dict[str, Any]) -> str:
       value = scalars[key]
       parts.append(f"{key} {value:.3g}" if key != "loss" else f"loss {value:.4f}")
   return ", ".join(parts)
+
+
+def keep_rows_through(workdir: str, step: int) -> int:
+  """Moves the metrics.jsonl rows of steps after `step` to metrics_superseded.jsonl.
+
+  A run resumed from checkpoint `step` logs the steps after it again: without this, the
+  killed run's rows of those steps would stay beside the new ones (two rows per step). The
+  moved rows are kept, not deleted. A fresh start (step 0) moves every row. Returns how many
+  rows moved.
+  """
+  path = os.path.join(workdir, rundir.METRICS_FILE)
+  if not os.path.exists(path):
+    return 0
+  keep, drop = [], []
+  with open(path) as f:
+    for line in f:
+      if not line.strip():
+        continue
+      try:
+        row_step = int(json.loads(line)["step"])
+      except (ValueError, KeyError, TypeError):
+        drop.append(line if line.endswith("\n") else line + "\n")  # a line cut by a kill
+        continue
+      (keep if 0 < step and row_step <= step else drop).append(line)
+  if not drop:
+    return 0
+  with open(os.path.join(workdir, rundir.SUPERSEDED_METRICS_FILE), "a") as f:
+    f.writelines(drop)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(keep)
+  os.replace(tmp, path)
+  return len(drop)
 
 
 def _end_last_line(path: str) -> None:

@@ -3,9 +3,9 @@
   WORKDIR/config.json                the TrainConfig the run started with (JSON)
   WORKDIR/metrics.jsonl              one JSON object per logged step, and eval_loss lines
   WORKDIR/tb/                        TensorBoard event files
+  WORKDIR/metrics_superseded.jsonl   rows a resume moved out of metrics.jsonl (steps logged
+                                     after the checkpoint it resumed from)
   WORKDIR/config_changes.jsonl       config keys changed on a resume: {"step", "changes"}
-  WORKDIR/metrics.jsonl              one JSON object per logged step, and eval_loss lines
-  WORKDIR/tb/                        TensorBoard event files
   WORKDIR/checkpoints/<step>/state   the train state (orbax: step, params, opt_state)
   WORKDIR/checkpoints/<step>/data    the data iterator's state (grain)
   WORKDIR/checkpoints/<step>/checksums.json   sha256 of each file of the step (integrity.py)
@@ -21,6 +21,8 @@ from typing import Any
 CONFIG_FILE = "config.json"
 CONFIG_CHANGES_FILE = "config_changes.jsonl"
 METRICS_FILE = "metrics.jsonl"
+# Rows a resumed run dropped from metrics.jsonl (logged after the checkpoint it resumed from).
+SUPERSEDED_METRICS_FILE = "metrics_superseded.jsonl"
 TENSORBOARD_DIR = "tb"
 CHECKPOINTS_DIR = "checkpoints"
 DAMAGED_DIR = "checkpoints_damaged"
