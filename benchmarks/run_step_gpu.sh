@@ -1,0 +1,39 @@
+#!/bin/bash
+# The train-step benchmarks the README's tables come from, on one H200; everything lands in $OUT.
+#   OUT=/tmp/out INFIR2_GIT_COMMIT=<sha> bash benchmarks/run_step_gpu.sh STAGE [deadline s]
+# STAGE: 1p5b (GPU tests of the model, then 1.5B at 2 x 8192, document mask),
+#        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
+#        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
+# Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/step_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+STAGE=${1:-1p5b}
+DEADLINE=${2:-400}
+COMMON=(--tokens_per_step=16384 --data=text --override=data.tokenizer=default
+        --override=opt.warmup_steps=10 --noise_run=0)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/env.txt"
+if [[ $STAGE == 1p5b ]]; then
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_packed_attention.py \
+    tests/test_precision_dot_general.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+  timeout $((DEADLINE + 200)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
+    --recipes=bf16,infir2,infir2~model.loss_chunk=2048,bf16~model.loss_chunk=2048,infir2~opt.moments=fp8 \
+    --seq_lens=8192 "${COMMON[@]}" --override=steps=44 --steps=40 --variant_timeout_s=200 \
+    --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 | tail -30
+elif [[ $STAGE == 7b ]]; then
+  timeout $((DEADLINE + 230)) python3 benchmarks/train_step.py --config=configs/7b.py \
+    --recipes=bf16,infir2,infir2~opt.moments=fp8,infir2~opt.moments=bf16 \
+    --seq_lens=4096 "${COMMON[@]}" --override=steps=16 --steps=12 --variant_timeout_s=230 \
+    --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 | tail -30
+elif [[ $STAGE == startup ]]; then
+  for run in cold warm; do
+    timeout 200 python3 -m infir2_jax.train --config=configs/1p5b.py --workdir="/tmp/su_$run" \
+      --config.steps=3 --config.eval.every_steps=0 --config.checkpoint.every_steps=0 \
+      --config.log.progress_bar=False > "$OUT/startup_$run.log" 2>&1
+    echo "$run rc=$?"; grep -iE "start-up|phase|compile|memory" "$OUT/startup_$run.log" | head -8
+  done
+fi
