@@ -26,7 +26,7 @@ if [[ $STAGE == 1p5b ]]; then
     --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 | tail -30
 elif [[ $STAGE == 7b ]]; then
   timeout $((DEADLINE + 230)) python3 benchmarks/train_step.py --config=configs/7b.py \
-    --recipes=bf16,infir2,infir2~opt.moments=fp8,infir2~opt.moments=bf16 \
+    --recipes=bf16,infir2~opt.moments=fp8,infir2,infir2~opt.moments=bf16 \
     --seq_lens=4096 "${COMMON[@]}" --override=steps=16 --steps=12 --variant_timeout_s=230 \
     --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 | tail -30
 elif [[ $STAGE == startup ]]; then
