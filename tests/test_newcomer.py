@@ -272,7 +272,9 @@ def test_the_1p5b_command_on_a_small_cpu_host_fails_fast_with_one_line(tmp_path)
                   r"17\.3 GiB \+ gradients 5\.8 GiB, before activations\), this host "
                   r"\(MemAvailable\) has [\d.]+ GiB; try", last), last
   assert "evaluating on all" in proc.stdout   # the data was checked, and said so, first
-  assert int(rss.read_text()) * 1024 < 3 * GIB   # nothing of the state was allocated
+  # Nothing of the 17.3 GiB state was allocated: the process stays far below it (2.0 GiB
+  # with a warm token cache, 3.4 GiB when it tokenizes the embedded text first).
+  assert int(rss.read_text()) * 1024 < 6 * GIB
 
 
 def test_help_lists_every_config_key_with_its_meaning():

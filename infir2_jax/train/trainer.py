@@ -116,10 +116,10 @@ class _Steps:
 def _with_finite_flag(step_fn):
   """The step, also returning whether its new state is all finite: a reduction fused into
   the step on the device, read with the other metrics before that state may be saved."""
-  def step(state, batch, *rest):
+  def train_step(state, batch, *rest):   # the name the compile logs and profiles show
     new_state, metrics = step_fn(state, batch, *rest)
     return new_state, {**metrics, "state_finite": all_finite(new_state)}
-  return step
+  return train_step
 
 
 def _jit_steps(cfg: TrainConfig, model, optimizer, schedule, shardings, place) -> _Steps:
@@ -174,7 +174,8 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
 
   checkpointer = Checkpointer(workdir, cfg.checkpoint, owner=True)
   train_iter = iter(data.train)
-  with clock.phase("restore"):
+  restoring = bool(rundir.checkpoint_steps(workdir))
+  with clock.phase("restore") if restoring else contextlib.nullcontext():
     start_step, state = _resume(cfg, workdir, checkpointer, structs, train_iter)
   if state is None:
     with clock.phase("init"):
