@@ -133,3 +133,38 @@ def test_mixture_errors(tmp_path, srcs):
   specs = mixture.parse("a=p,b=q,a=r", "b=v", "a:3,b:1")
   assert specs == [mixture.SourceSpec("a", "p,r", "", 0.75), mixture.SourceSpec("b", "q", "v",
                                                                                 0.25)]
+
+
+def test_source_tokens_count_the_rows_each_source_gave(tmp_path, srcs):
+  """Data.source_tokens(k) (what the trainer logs as data/tokens/NAME) against the rows of
+  the first k batches classified by their tokens."""
+  data = mk(tmp_path, srcs, mix="a:0.6,b:0.4")()
+  sets = token_sets()
+  it = iter(data.train)
+  seen = {"a": 0, "b": 0}
+  for k in range(1, 26):
+    for name in row_sources(next(it), sets):
+      seen[name] += 1
+    if k in (1, 7, 25):
+      assert data.source_tokens(k) == {n: r * 8 for n, r in seen.items()}, k
+  assert data.source_tokens(3) == data.source_tokens(3)       # an earlier point counts again
+
+
+def test_trainer_logs_tokens_and_eval_loss_per_source(tmp_path, srcs):
+  from test_trainer import tiny_config  # pylint: disable=import-outside-toplevel
+  from infir2_jax.train import rundir  # pylint: disable=import-outside-toplevel
+  from infir2_jax.train.trainer import train  # pylint: disable=import-outside-toplevel
+  cfg = tiny_config(**{"data.source": f"a={srcs[0]},b={srcs[1]}", "data.mixture": "a:0.75,b:0.25",
+                       "data.val_fraction": 0.2, "seq_len": 16, "batch_size": 8, "steps": 4,
+                       "eval.every_steps": 4, "eval.batches": 1, "log.tensorboard": False,
+                       "data.cache_dir": str(tmp_path / "cache")})
+  workdir = str(tmp_path / "run")
+  train(cfg, workdir)
+  rows = rundir.read_metrics(workdir)
+  train_rows = [r for r in rows if "loss" in r]
+  assert [(r["data/tokens/a"], r["data/tokens/b"]) for r in train_rows] == [
+      (6 * 16 * k, 2 * 16 * k) for k in range(1, 5)]            # 3 of every 4 rows are a's
+  evals = [r for r in rows if "eval_loss" in r]
+  assert [r["step"] for r in evals] == [0, 4]
+  for r in evals:
+    assert {"eval_loss/a", "eval_loss/b"} <= set(r) and r["eval_loss/a"] != r["eval_loss/b"]

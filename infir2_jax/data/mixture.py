@@ -83,13 +83,32 @@ def train_rows(lengths: list[int], weights: list[float], seeds: list[int]) -> gr
   return grain.MapDataset.mix(parents, weights)
 
 
-def realized(weights: list[float], rows: int) -> list[float]:
-  """Each source's share of the first `rows` training rows (the interleave is seed-free)."""
-  labels = grain.MapDataset.mix(
+def _labels(weights: list[float]) -> grain.MapDataset:
+  """The source index of each training row of the interleave (the same for every seed)."""
+  return grain.MapDataset.mix(
       [grain.MapDataset.range(1).repeat().map(functools.partial(_tag, i))
        for i in range(len(weights))], weights)
-  counts = np.bincount([labels[j][0] for j in range(rows)], minlength=len(weights))
-  return (counts / max(rows, 1)).tolist()
+
+
+def realized(weights: list[float], rows: int) -> list[float]:
+  """Each source's share of the first `rows` training rows (the interleave is seed-free)."""
+  return (SourceCounter(weights).rows(rows) / max(rows, 1)).tolist()
+
+
+class SourceCounter:
+  """Rows of each source among the first n training rows, counted on from the last call."""
+
+  def __init__(self, weights: list[float]):
+    self._labels, self._n = _labels(weights), 0
+    self._counts = np.zeros(len(weights), np.int64)
+
+  def rows(self, n: int) -> np.ndarray:
+    if n < self._n:  # asked for an earlier point (a resumed run): count again from 0
+      self._n, self._counts[:] = 0, 0
+    for j in range(self._n, n):
+      self._counts[self._labels[j][0]] += 1
+    self._n = n
+    return self._counts.copy()
 
 
 class MixedRows:

@@ -59,6 +59,18 @@ class Data:
   stats: dict                       # train/val Split, bad record counts, sources
   _val_rows: object = dataclasses.field(repr=False, default=None)
   _val_sources: dict = dataclasses.field(repr=False, default_factory=dict)
+  _counter: object = dataclasses.field(repr=False, default=None)
+
+  def source_tokens(self, steps: int) -> dict[str, int]:
+    """Training tokens (rows x seq_len) each mixture source gave the first `steps` global
+    batches, exact ({} without a mixture). Cheap when `steps` grows call by call."""
+    mix = self.stats.get("mixture")
+    if not mix:
+      return {}
+    if self._counter is None:
+      self._counter = mixture.SourceCounter([m["weight"] for m in mix.values()])
+    rows = self._counter.rows(steps * self.global_batch_size)
+    return {name: int(r) * self.seq_len for name, r in zip(mix, rows)}
 
   @property
   def eval_sources(self) -> list[str]:

@@ -149,6 +149,18 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
     return _train(cfg, workdir)
 
 
+def _eval_sets(cfg: TrainConfig, data, place, num_eval: int) -> dict[str, list]:
+  """{"": the validation batches, NAME: each mixture source's own (as many, or all it has)}."""
+  if not num_eval:
+    return {}
+  sets = {"": data.eval_batches(num_eval)}
+  for name in data.eval_sources if len(data.eval_sources) > 1 else ():
+    if data.num_eval_batches(name):
+      sets[name] = data.eval_batches(min(num_eval, data.num_eval_batches(name)), source=name)
+  return {name: [_global_batch(place.checked(b), place.batch, cfg.batch_size) for b in batches]
+          for name, batches in sets.items()}
+
+
 def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   os.makedirs(workdir, exist_ok=True)
   clock = startup.PhaseClock()
@@ -157,8 +169,7 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   with clock.phase("data"):
     data = _make_data(cfg, place)
     num_eval = startup.eval_batch_count(cfg, data, log=_print0)
-    eval_batches = [_global_batch(place.checked(b), place.batch, cfg.batch_size)
-                    for b in data.eval_batches(num_eval)] if num_eval else None
+    eval_batches = _eval_sets(cfg, data, place, num_eval)
   model = build_model(cfg)
   optimizer = make_optimizer(cfg.opt, cfg.steps)
   schedule = make_schedule(cfg.opt, cfg.steps)
@@ -191,7 +202,8 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   writer.print(clock.line())  # the start-up ends here
   if start_step >= cfg.steps:
     writer.print(f"{workdir} already finished its {cfg.steps} steps; raise --config.steps to go on")
-  loop = _Loop(cfg, place, steps, eval_batches, checkpointer, writer, start_step)
+  loop = _Loop(cfg, place, steps, eval_batches, checkpointer, writer, start_step,
+               source_tokens=data.source_tokens)
   try:
     with preemption.StopRequests() as stop:
       last = loop.run(state, train_iter, stop)
@@ -265,8 +277,10 @@ def _state_structure(cfg: TrainConfig) -> dict[str, tuple]:
 class _Loop:
   """The step loop: dispatch step N, read step N-1's metrics, evaluate and save on schedule."""
 
-  def __init__(self, cfg, place, steps, eval_batches, checkpointer, writer, start_step):
+  def __init__(self, cfg, place, steps, eval_batches, checkpointer, writer, start_step,
+               source_tokens=lambda step: {}):
     self.cfg, self.place, self.steps = cfg, place, steps
+    self.source_tokens = source_tokens
     self.eval_batches, self.checkpointer, self.writer = eval_batches, checkpointer, writer
     self.start_step = start_step
     self.last_good = start_step if start_step else None
@@ -275,12 +289,17 @@ class _Loop:
     self.flops_per_step = cfg.model.flops_per_token(cfg.seq_len) * self.tokens_per_step
     self.peak = peak_flops_per_device(cfg.log)
 
-  def evaluate(self, params) -> float:
-    with self.place.context():
-      sums = [self.steps.eval(params, b) for b in self.eval_batches]
-    loss_sum = sum(float(s[0]) for s in sums)
-    tokens = sum(float(s[1]) for s in sums)
-    return loss_sum / max(tokens, 1.0)
+  def evaluate(self, params) -> dict[str, float]:
+    """{"eval_loss": the validation set's token loss, "eval_loss/NAME": each mixture
+    source's own validation set}."""
+    out = {}
+    for name, batches in self.eval_batches.items():
+      with self.place.context():
+        sums = [self.steps.eval(params, b) for b in batches]
+      tokens = sum(float(s[1]) for s in sums)
+      out["eval_loss" + (f"/{name}" if name else "")] = (
+          sum(float(s[0]) for s in sums) / max(tokens, 1.0))
+    return out
 
   def check_finite(self, step: int, metrics: dict[str, float], state_finite: bool) -> None:
     loss, grad_norm = metrics["loss"], metrics["grad_norm"]
@@ -301,8 +320,10 @@ class _Loop:
         f"--config.skip_steps=\"({step},)\"")
 
   def log(self, step, device_metrics) -> dict[str, float]:
+    extra = {f"data/tokens/{name}": n for name, n in self.source_tokens(step).items()}
     return _log_step(self.writer, step, device_metrics, self.timer, self.tokens_per_step,
-                     self.flops_per_step, self.peak, self.place.mesh.size, self.check_finite)
+                     self.flops_per_step, self.peak, self.place.mesh.size, self.check_finite,
+                     extra)
 
   def dispatch(self, step, state, batch):
     cfg, steps = self.cfg, self.steps
@@ -319,8 +340,9 @@ class _Loop:
     cfg = self.cfg
     last: dict[str, Any] = {}
     if self.eval_batches and self.start_step == 0:
-      last["eval_loss"] = self.evaluate(state["params"])
-      self.writer.write(0, {"eval_loss": last["eval_loss"]})
+      evals = self.evaluate(state["params"])
+      last.update(evals)
+      self.writer.write(0, evals)
     pending = None  # (step, device metrics) of the previous step, read while the next one runs
     for step in range(self.start_step + 1, cfg.steps + 1):
       batch = _global_batch(self.place.checked(next(train_iter)), self.place.batch,
@@ -336,8 +358,9 @@ class _Loop:
         last = self.log(*pending)
         pending = None
       if due_eval:  # before the save: a kill right after the checkpoint keeps this eval line
-        last["eval_loss"] = self.evaluate(state["params"])
-        self.writer.write(step, {"eval_loss": last["eval_loss"]})
+        evals = self.evaluate(state["params"])
+        last.update(evals)
+        self.writer.write(step, evals)
       if due_save:
         self.writer.flush()  # the logs of every step the checkpoint covers are on disk
         self.checkpointer.save(step, state, train_iter)
@@ -376,7 +399,7 @@ class _Timer:
 
 
 def _log_step(writer, step, device_metrics, timer, tokens_per_step, flops_per_step, peak,
-              num_devices, check_finite):
+              num_devices, check_finite, extra=None):
   device_metrics = dict(device_metrics)
   fp8_stats = device_metrics.pop("fp8", None)
   metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
@@ -390,6 +413,7 @@ def _log_step(writer, step, device_metrics, timer, tokens_per_step, flops_per_st
     metrics["tokens_per_s"] = tokens_per_step / dt
     if peak:
       metrics["mfu"] = flops_per_step / dt / (peak * num_devices)
+  metrics.update(extra or {})
   if step % writer.cfg.every_steps == 0:
     writer.write(step, metrics)
   return metrics
