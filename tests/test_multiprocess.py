@@ -113,22 +113,31 @@ def test_two_processes_train_checkpoint_resume_and_match_one_process(tmp_path):
   multi = losses(workdir)
   assert sorted(multi) == list(range(1, 8))
 
-  # One process with the same 8 devices (conftest) sees the same global batches.
+  # The 2-process run resumed by one process (the data-iterator state of process_i-of-2
+  # restores under a process count of 1: data/checkpoint.py) for steps 8 and 9.
   c = default_config()
-  for key, value in dict(OVERRIDES, steps=7).items():
+  for key, value in dict(OVERRIDES, steps=9).items():
     section = c
     *path, leaf = key.split(".")
     for name in path:
       section = section[name]
     section[leaf] = value
+  train(TrainConfig.from_config_dict(c), workdir)
+  multi = losses(workdir)
+  assert sorted(multi) == list(range(1, 10))
+
+  # One process with the same 8 devices (conftest) sees the same global batches.
   single_dir = str(tmp_path / "single")
   train(TrainConfig.from_config_dict(c), single_dir)
   single = losses(single_dir)
   # gloo sums the gradients across processes in another order than XLA does within one, and
-  # Adam amplifies the last-bit differences step by step (seen: 1.1e-5 relative at step 7);
-  # a wrong batch split or a lost resume state moves the loss by 1e-2 and more.
-  for step in range(1, 8):
-    assert multi[step] == pytest.approx(single[step], rel=1e-4), (step, multi, single)
+  # Adam amplifies the last-bit differences step by step (seen: 1.1e-5 relative at step 7,
+  # 1.5e-4 at step 9); a wrong batch split or a lost resume state moves the loss by 1e-2 and
+  # more.
+  # Hence 1e-3 for the last two steps.
+  for step in range(1, 10):
+    rel = 1e-4 if step <= 7 else 1e-3
+    assert multi[step] == pytest.approx(single[step], rel=rel), (step, multi, single)
 
 
 def test_slurm_variables_alone_start_a_two_process_job():
