@@ -9,6 +9,15 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# One persistent compilation cache for the whole run (and its xdist workers): the many tests
+# that train the same tiny configs compile each program once. INFIR2_TEST_JAX_CACHE="" turns
+# it off; the trainer's own cache switch (INFIR2_COMPILATION_CACHE) is separate.
+_CACHE = os.environ.get("INFIR2_TEST_JAX_CACHE", os.path.join(
+    os.environ.get("TMPDIR", "/tmp"), f"infir2_test_jax_cache_{os.getuid()}"))
+if _CACHE:
+  jax.config.update("jax_compilation_cache_dir", _CACHE)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
 
 def _has_gpu() -> bool:
   try:
