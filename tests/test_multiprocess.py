@@ -96,7 +96,7 @@ def losses(workdir: str) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_two_processes_train_checkpoint_resume_and_match_one_process(tmp_path):
-  from infir2_jax.config import TrainConfig, default_config
+  from infir2_jax.config import TrainConfig, apply_overrides, default_config
   from infir2_jax.train.trainer import train
   env = dict(os.environ, PYTHONPATH=ROOT,
              INFIR2_COMPILATION_CACHE=str(tmp_path / "jax_cache"))  # the resume reuses it
@@ -116,12 +116,7 @@ def test_two_processes_train_checkpoint_resume_and_match_one_process(tmp_path):
   # The 2-process run resumed by one process (the data-iterator state of process_i-of-2
   # restores under a process count of 1: data/checkpoint.py) for steps 8 and 9.
   c = default_config()
-  for key, value in dict(OVERRIDES, steps=9).items():
-    section = c
-    *path, leaf = key.split(".")
-    for name in path:
-      section = section[name]
-    section[leaf] = value
+  apply_overrides(c, dict(OVERRIDES, steps=9))
   train(TrainConfig.from_config_dict(c), workdir)
   multi = losses(workdir)
   assert sorted(multi) == list(range(1, 10))

@@ -18,7 +18,7 @@ import jax
 import pytest
 
 from infir2_jax import export, parallel
-from infir2_jax.config import LogConfig, TrainConfig, default_config, flat_keys
+from infir2_jax.config import LogConfig, TrainConfig, apply_overrides, default_config, flat_keys
 from infir2_jax.data import make_data
 from infir2_jax.train import metrics as metrics_lib
 from infir2_jax.train import preflight, rundir
@@ -36,13 +36,7 @@ def tiny_config(**overrides):
   c.opt.warmup_steps = 2
   c.checkpoint.every_steps = 2
   c.eval.every_steps, c.eval.batches = 2, 2
-  for key, value in overrides.items():
-    section = c
-    *path, leaf = key.split(".")
-    for name in path:
-      section = section[name]
-    section[leaf] = value
-  return TrainConfig.from_config_dict(c)
+  return TrainConfig.from_config_dict(apply_overrides(c, overrides))
 
 
 def params_line(out: str) -> str:

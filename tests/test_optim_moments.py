@@ -234,25 +234,13 @@ def test_fp8_moments_are_sharded_like_their_params_over_fsdp_8():
 def test_fp8_run_resumed_after_interruption_is_bit_identical(tmp_path, monkeypatch):
   """opt.moments=fp8: a run stopped after its step-4 checkpoint and re-run continues exactly
   (the FP8 moments and their group scales are saved and restored bit for bit)."""
-  from test_trainer import _Killed, tiny_config, train_losses  # pylint: disable=import-outside-toplevel
-  from infir2_jax.train import checkpoint as checkpoint_lib
+  from test_trainer import _train_until_killed_after, tiny_config, train_losses  # pylint: disable=import-outside-toplevel
   from infir2_jax.train.trainer import train
   overrides = {"eval.every_steps": 0, "opt.moments": "fp8"}
   full = str(tmp_path / "full")
   train(tiny_config(**overrides), full)
   resumed = str(tmp_path / "resumed")
-  save = checkpoint_lib.Checkpointer.save
-
-  def save_then_die(self, step, state, data_iterator):
-    save(self, step, state, data_iterator)
-    if step == 4:
-      self.wait()
-      raise _Killed()
-
-  monkeypatch.setattr(checkpoint_lib.Checkpointer, "save", save_then_die)
-  with pytest.raises(_Killed):
-    train(tiny_config(**overrides), resumed)
-  monkeypatch.setattr(checkpoint_lib.Checkpointer, "save", save)
+  _train_until_killed_after(4, tiny_config(**overrides), resumed, monkeypatch)
   assert max(train_losses(resumed)) == 4
   train(tiny_config(**overrides), resumed)
   expected, got = train_losses(full), train_losses(resumed)

@@ -57,14 +57,8 @@ def _evals(workdir):
 
 
 def _flip_array_byte(step_dir):
-  files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, "state"))
-           for f in fs]
-  path = max(files, key=os.path.getsize)
-  with open(path, "r+b") as f:
-    f.seek(os.path.getsize(path) // 2)
-    b = f.read(1)
-    f.seek(-1, 1)
-    f.write(bytes([b[0] ^ 1]))
+  from test_checkpoint_damage import _biggest_file, _flip_byte  # pylint: disable=import-outside-toplevel
+  _flip_byte(_biggest_file(os.path.join(step_dir, "state")))
 
 
 # Item 1: never save state that is not finite.

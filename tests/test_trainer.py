@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from infir2_jax.train import checkpoint as checkpoint_lib
-from infir2_jax.config import TrainConfig, check_override_flags, default_config
+from infir2_jax.config import TrainConfig, apply_overrides, check_override_flags, default_config
 from infir2_jax.train.trainer import NonFiniteLossError, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,13 +29,7 @@ def tiny_config(**overrides):
   c.eval.every_steps = 4
   c.eval.batches = 2
   c.log.progress_bar = False
-  for key, value in overrides.items():
-    section = c
-    *path, leaf = key.split(".")
-    for name in path:
-      section = section[name]
-    section[leaf] = value
-  return TrainConfig.from_config_dict(c)
+  return TrainConfig.from_config_dict(apply_overrides(c, overrides))
 
 
 def read_metrics(workdir):
@@ -77,18 +71,7 @@ def test_resume_after_interruption_is_bit_identical(tmp_path, monkeypatch):
   train(tiny_config(**{"eval.every_steps": 0}), full)
 
   resumed = str(tmp_path / "resumed")
-  save = checkpoint_lib.Checkpointer.save
-
-  def save_then_die(self, step, state, data_iterator):
-    save(self, step, state, data_iterator)
-    if step == 4:
-      self.wait()
-      raise _Killed()
-
-  monkeypatch.setattr(checkpoint_lib.Checkpointer, "save", save_then_die)
-  with pytest.raises(_Killed):
-    train(tiny_config(**{"eval.every_steps": 0}), resumed)
-  monkeypatch.setattr(checkpoint_lib.Checkpointer, "save", save)
+  _train_until_killed_after(4, tiny_config(**{"eval.every_steps": 0}), resumed, monkeypatch)
   assert max(train_losses(resumed)) == 4
   train(tiny_config(**{"eval.every_steps": 0}), resumed)
 

@@ -96,19 +96,49 @@ def realized(weights: list[float], rows: int) -> list[float]:
 
 
 class SourceCounter:
-  """Rows of each source among the first n training rows, counted on from the last call."""
+  """Rows of each source among the first n training rows, in O(1) per call.
+
+  grain mixes by integer proportions (the weights scaled so the smallest is 100), which
+  repeats its interleave every sum(proportions) rows: one period is counted once, at the
+  first call, and n rows are whole periods plus a prefix of one. Where that period would be
+  too long to count (extreme weight ratios) the rows are counted on from the last call.
+  """
+
+  _MAX_PERIOD = 1 << 20
 
   def __init__(self, weights: list[float]):
-    self._labels, self._n = _labels(weights), 0
-    self._counts = np.zeros(len(weights), np.int64)
+    self._labels, self._weights = _labels(weights), weights
+    self._cum = None  # [period + 1, sources]: counts in the first j rows of a period
+    self._n, self._counts = 0, np.zeros(len(weights), np.int64)
 
   def rows(self, n: int) -> np.ndarray:
+    if self._cum is None:
+      period = _interleave_period(self._weights)
+      if period <= self._MAX_PERIOD:
+        labels = np.fromiter((self._labels[j][0] for j in range(period)), np.int64, period)
+        onehot = np.eye(len(self._weights), dtype=np.int64)[labels]
+        self._cum = np.concatenate([np.zeros((1, len(self._weights)), np.int64),
+                                    np.cumsum(onehot, axis=0)])
+      else:
+        self._cum = False
+    if self._cum is not False:
+      whole, rest = divmod(n, len(self._cum) - 1)
+      return whole * self._cum[-1] + self._cum[rest]
     if n < self._n:  # asked for an earlier point (a resumed run): count again from 0
       self._n, self._counts[:] = 0, 0
     for j in range(self._n, n):
       self._counts[self._labels[j][0]] += 1
     self._n = n
     return self._counts.copy()
+
+
+def _interleave_period(weights: list[float]) -> int:
+  """Rows after which grain's weighted interleave repeats (sum of its integer proportions)."""
+  try:
+    from grain._src.python.dataset.transformations.mix import _float_to_int_proportions  # pylint: disable=g-import-not-at-top
+  except ImportError:  # another grain: count row by row
+    return SourceCounter._MAX_PERIOD + 1
+  return sum(_float_to_int_proportions(weights))
 
 
 class MixedRows:
