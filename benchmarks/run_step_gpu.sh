@@ -2,6 +2,9 @@
 # The train-step benchmarks the README's tables come from, on one H200; everything lands in $OUT.
 #   OUT=/tmp/out INFIR2_GIT_COMMIT=<sha> bash benchmarks/run_step_gpu.sh STAGE [deadline s]
 # STAGE: 1p5b (GPU tests of the model, then 1.5B at 2 x 8192, document mask),
+#        fused (GPU tests of the fused MLP kernels, their benchmark against the separate
+#        passes, then 1.5B at 2 x 8192: bf16, infir2 without and with the fused MLP, each
+#        profiled, compiled HLO kept for attributing the profile's fusions),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
@@ -10,7 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/step_out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1
+  --target /tmp/site .whl/*.whl > /tmp/pip.log 2>&1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 STAGE=${1:-1p5b}
 DEADLINE=${2:-400}
@@ -24,6 +27,15 @@ if [[ $STAGE == 1p5b ]]; then
     --recipes=bf16,infir2,infir2~model.loss_chunk=2048,bf16~model.loss_chunk=2048,infir2~opt.moments=fp8 \
     --seq_lens=8192 "${COMMON[@]}" --override=steps=44 --steps=40 --variant_timeout_s=200 \
     --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 | tail -30
+elif [[ $STAGE == fused ]]; then
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
+    -k "fused or scanned_remat" 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+  timeout 150 python3 benchmarks/fused_quantize.py --out "$OUT/fused_quantize.json" 2>&1 | tail -8
+  timeout $((DEADLINE + 200)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
+    --recipes=bf16,infir2~precision.fused_mlp=False,infir2 \
+    --seq_lens=8192 "${COMMON[@]}" --override=steps=30 --steps=24 --variant_timeout_s=200 \
+    --deadline_s="$DEADLINE" --profile_dir=/tmp/prof --hlo_dir="$OUT" \
+    --out="$OUT/train_step_1p5b_8k.json" 2>&1 | tail -40
 elif [[ $STAGE == 7b ]]; then
   timeout $((DEADLINE + 230)) python3 benchmarks/train_step.py --config=configs/7b.py \
     --recipes=bf16,infir2~opt.moments=fp8,infir2,infir2~opt.moments=bf16 \

@@ -59,6 +59,9 @@ def _parse():
                  help="start no variant after this many seconds (0: no limit)")
   p.add_argument("--out", default="")
   p.add_argument("--profile_dir", default="")
+  p.add_argument("--hlo_dir", default="",
+                 help="write each variant's compiled HLO here (gzipped text), to attribute the "
+                      "profile's fusions to the ops and bytes they move")
   p.add_argument("--child", default="", help=argparse.SUPPRESS)  # "recipe:seq_len"
   return p.parse_args()
 
@@ -112,7 +115,15 @@ def run_one(args, label: str, seq_len: int) -> dict:
   compiled, compile_s = step.compiled, step.lower_s + step.compile_s
   mesh, rules, batch_sharding = step.mesh, step.rules, step.batch_sharding
   init_fn, optimizer = step.init_fn, step.optimizer
-  hlo_counts = hlo_fp8_gemm_count(compiled.as_text())
+  hlo_text = compiled.as_text()
+  hlo_counts = hlo_fp8_gemm_count(hlo_text)
+  if args.hlo_dir:
+    import gzip
+    os.makedirs(args.hlo_dir, exist_ok=True)
+    with gzip.open(os.path.join(args.hlo_dir, f"hlo_{label.replace('~', '_')}_{seq_len}.txt.gz"),
+                   "wt") as f:
+      f.write(hlo_text)
+  del hlo_text
   memory = compiled.memory_analysis()
   total_steps = WARMUP_STEPS + args.steps
   host_batches = _batches(cfg, total_steps, 0, args.data)

@@ -37,12 +37,13 @@ def test_summary_by_kind_and_in_step_gemm_rates(tmp_path):
       kernel("nvjet_tst_192x192_64x4_2x1_v_bz_TNN", 590, 80.0),
       kernel("loop_multiply_fusion", 230, 30.0),
       kernel(fprop, 0, 999.0, pid=1),  # a host-side event: not GPU time
+      kernel("infir2_fused_quantize_swiglu_bwd_16384x8960_mosaic_gpu", 700, 60.0),
   ])
   summary = profile_summary.summarize_trace(str(tmp_path))
   assert summary["ms_by_kind"] == pytest.approx({
       "pallas_fp8_gemm": 0.25, "pallas_quantize": 0.04, "attention": 0.3, "gemm": 0.08,
-      "other": 0.03})
-  assert summary["device_ms_total"] == pytest.approx(0.70)
+      "other": 0.03, "pallas_fused_quantize": 0.06})
+  assert summary["device_ms_total"] == pytest.approx(0.76)
   rows = {(r["m"], r["n"], r["k"]): r for r in summary["fp8_gemm_by_problem"]}
   assert rows[(16384, 1536, 1536)]["calls"] == 2
   # 2 calls x 2 * 16384 * 1536 * 1536 FLOPs in 200 us
@@ -51,8 +52,8 @@ def test_summary_by_kind_and_in_step_gemm_rates(tmp_path):
   assert [r["ms"] for r in summary["fp8_gemm_by_problem"]] == [0.2, 0.05]  # slowest first
   # The fusion (230-260 us) overlaps the wgrad's last 20 us and the quantization's first 10.
   overlap = summary["concurrency"]
-  assert overlap["summed_ms"] == pytest.approx(0.70)
-  assert overlap["busy_ms"] == pytest.approx(0.67)
+  assert overlap["summed_ms"] == pytest.approx(0.76)
+  assert overlap["busy_ms"] == pytest.approx(0.73)
   assert overlap["overlapped_ms_by_kind"] == pytest.approx(
       {"pallas_fp8_gemm": 0.02, "pallas_quantize": 0.01, "other": 0.03})
 

@@ -27,6 +27,9 @@ from infir2_jax.precision import (
 CFG = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
                   num_heads=2, num_kv_heads=1, head_dim=128, dtype="bfloat16")
 PROJECTIONS_PER_LAYER = 7  # q, k, v, o, gate, up, down
+# FP8 GEMMs of a layer: 3 per projection; with the fused MLP (precision.fused_mlp) gate and
+# up are one GEMM each way: 3 x 4 for attention, 3 x 2 for the MLP.
+GEMMS_PER_LAYER = {False: 3 * PROJECTIONS_PER_LAYER, True: 3 * 4 + 3 * 2}
 
 
 def _opaque(fn, name: str):
@@ -54,7 +57,10 @@ _FAKE_KERNELS = types.SimpleNamespace(
     available=lambda: True, supports=kernels.supports,
     block_scaled_matmul=_opaque(kernels.block_scaled_matmul_reference, "fake_fp8_gemm"),
     quantize_tiles=_opaque(kernels.quantize_tiles_reference, "fake_quantize_tiles"),
-    quantize_blocks=_opaque(kernels.quantize_blocks_reference, "fake_quantize_blocks"))
+    quantize_blocks=_opaque(kernels.quantize_blocks_reference, "fake_quantize_blocks"),
+    swiglu_quantize=_opaque(kernels.swiglu_quantize_reference, "fake_swiglu_quantize"),
+    swiglu_bwd_quantize=_opaque(kernels.swiglu_bwd_quantize_reference,
+                                "fake_swiglu_bwd_quantize"))
 
 
 @pytest.fixture
@@ -79,37 +85,49 @@ def _count_primitives(jaxpr: Jaxpr, counts: collections.Counter) -> collections.
   return counts
 
 
-def _grad_fn(remat: str, dtype: str = "bfloat16"):
+def _factory(fused_mlp: bool):
+  """infir2 everywhere (the LM head too); with the fused MLP or one dot_general per projection."""
+  if fused_mlp:
+    return make_dot_general_factory(
+        PrecisionConfig(recipe="infir2", backend="pallas", quantize_lm_head=True))
   dot_general = make_dot_general("infir2", backend="pallas")
-  model = Qwen2(dataclasses.replace(CFG, remat=remat, dtype=dtype), lambda path, axes=None: dot_general)
+  return lambda path, axes=None: dot_general
+
+
+def _grad_fn(remat: str, dtype: str = "bfloat16", fused_mlp: bool = False):
+  model = Qwen2(dataclasses.replace(CFG, remat=remat, dtype=dtype), _factory(fused_mlp))
   tokens = jnp.zeros((2, 128), jnp.int32)
   params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens)["params"]))
   loss = lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2)
   return jax.grad(loss), params, tokens
 
 
+@pytest.mark.parametrize("fused_mlp", [False, True])
 @pytest.mark.parametrize("remat,extra_fprops", [
     ("none", 0), ("save_dots", 0), ("save_dots_fp8", 0),
     # full remat recomputes every forward GEMM whose output the backward pass needs
-    ("full", 5)])
-def test_remat_policy_recomputes_no_fp8_gemm(fake_pallas, remat, extra_fprops):
-  grad, params, tokens = _grad_fn(remat)
+    ("full", 4)])
+def test_remat_policy_recomputes_no_fp8_gemm(fake_pallas, remat, extra_fprops, fused_mlp):
+  grad, params, tokens = _grad_fn(remat, fused_mlp=fused_mlp)
   counts = _count_primitives(jax.make_jaxpr(grad)(params, tokens).jaxpr, collections.Counter())
-  # fprop + dgrad + wgrad per projection and for the LM head (this factory gives it the
+  # fprop + dgrad + wgrad per projection and for the LM head (these factories give it the
   # recipe too)
-  expected = 3 * (PROJECTIONS_PER_LAYER * CFG.num_layers + 1) + extra_fprops * CFG.num_layers
+  expected = (GEMMS_PER_LAYER[fused_mlp] + extra_fprops) * CFG.num_layers + 3
   if remat == "full":
     assert counts["fake_fp8_gemm"] >= expected, counts
   else:
     assert counts["fake_fp8_gemm"] == expected, counts
 
 
-def test_save_dots_fp8_saves_the_quantized_operands(fake_pallas):
+@pytest.mark.parametrize("fused_mlp", [False, True])
+def test_save_dots_fp8_saves_the_quantized_operands(fake_pallas, fused_mlp):
   counts = {}
   for remat in ("none", "save_dots", "save_dots_fp8"):
-    grad, params, tokens = _grad_fn(remat)
-    counts[remat] = _count_primitives(jax.make_jaxpr(grad)(params, tokens).jaxpr,
-                                      collections.Counter())["fake_quantize_tiles"]
+    grad, params, tokens = _grad_fn(remat, fused_mlp=fused_mlp)
+    c = _count_primitives(jax.make_jaxpr(grad)(params, tokens).jaxpr, collections.Counter())
+    counts[remat] = c["fake_quantize_tiles"] + c["fake_swiglu_quantize"]
+    if fused_mlp:  # one fused backward per layer, whatever is saved
+      assert c["fake_swiglu_bwd_quantize"] == CFG.num_layers, c
   assert counts["save_dots_fp8"] == counts["none"] < counts["save_dots"], counts
 
 
@@ -123,7 +141,7 @@ def test_remat_with_fake_kernels_gives_the_same_gradients(fake_pallas):
   tokens = jax.random.randint(jax.random.key(1), (2, 128), 0, CFG.vocab_size)
   grads = {}
   for remat in ("none", "save_dots", "save_dots_fp8", "full"):
-    grad = _grad_fn(remat, dtype="float32")[0]
+    grad = _grad_fn(remat, dtype="float32", fused_mlp=True)[0]
     params = nn.unbox(Qwen2(CFG).init(jax.random.key(0), tokens)["params"])
     grads[remat] = jax.jit(grad)(params, tokens)
   for remat in ("save_dots", "save_dots_fp8", "full"):
@@ -149,8 +167,9 @@ def test_per_shard_gemms_keep_the_policy(fake_pallas, scan_layers):
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params, tokens).jaxpr
   counts = _count_primitives(jaxpr, collections.Counter())
   assert counts["shard_map"] > 0, "the projections did not run per shard"
-  per_layer = 3 * PROJECTIONS_PER_LAYER * (1 if scan_layers else CFG.num_layers)
+  per_layer = GEMMS_PER_LAYER[True] * (1 if scan_layers else CFG.num_layers)
   assert counts["fake_fp8_gemm"] == per_layer + 3, counts  # + the LM head's three
+  assert counts["fake_swiglu_bwd_quantize"] == (1 if scan_layers else CFG.num_layers), counts
 
 
 def _barrier_fed_gemms(jaxpr: Jaxpr) -> tuple[int, int]:
@@ -172,9 +191,8 @@ def test_fprop_kernel_outputs_pass_an_optimization_barrier(fake_pallas, scan_lay
   GEMM into the scan's stacking update: 27 GEMMs per layer instead of 21 on the H200
   (tests/test_kernels_gpu.py counts them in the compiled step)."""
   _, params, tokens = _grad_fn("save_dots")
-  dot_general = make_dot_general("infir2", backend="pallas")
   model = Qwen2(dataclasses.replace(CFG, remat="save_dots", scan_layers=scan_layers),
-                lambda path, axes=None: dot_general)
+                _factory(fused_mlp=True))
   forward = jax.make_jaxpr(lambda p, t: model.apply({"params": p}, t))(params, tokens).jaxpr
   fprops, fed = _barrier_fed_gemms(forward)
   assert fprops > 0 and fed == fprops, (fprops, fed)

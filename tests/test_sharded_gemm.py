@@ -43,8 +43,7 @@ def _local_gemm_shapes(recipe: str, mesh_shape):
     for e in j.eqns:
       if e.primitive.name == "shard_map":
         inner = e.params["jaxpr"]
-        x, w = (v.aval.shape for v in getattr(inner, "jaxpr", inner).invars)
-        shapes[(tuple(x), tuple(w))] += 1
+        shapes[tuple(tuple(v.aval.shape) for v in getattr(inner, "jaxpr", inner).invars)] += 1
       for p in e.params.values():
         for sub in (p if isinstance(p, (list, tuple)) else [p]):
           inner = getattr(sub, "jaxpr", sub)
@@ -56,12 +55,14 @@ def _local_gemm_shapes(recipe: str, mesh_shape):
 
 def test_infir2_projections_see_only_their_shard():
   # mesh data 1 x fsdp 2 x tensor 4; hidden 1024, 4 heads and 2 KV heads of 128, MLP 512.
-  # KV heads are replicated at tensor 4 (2 < 4); o/down split K over tensor (partial sums).
+  # KV heads are replicated at tensor 4 (2 < 4); o splits K over tensor (partial sums); the
+  # fused MLP takes gate's and up's columns of its shard and down's rows (partial sums).
   rows = ROWS // 2
   want = collections.Counter({
-      ((rows, LENGTH, 1024), (1024, 512 // 4)): 3,   # q_proj, gate_proj, up_proj
+      ((rows, LENGTH, 1024), (1024, 512 // 4)): 1,   # q_proj
       ((rows, LENGTH, 1024), (1024, 256)): 2,        # k_proj, v_proj
-      ((rows, LENGTH, 512 // 4), (512 // 4, 1024)): 2,  # o_proj, down_proj
+      ((rows, LENGTH, 512 // 4), (512 // 4, 1024)): 1,  # o_proj
+      ((rows, LENGTH, 1024), (1024, 512 // 4), (1024, 512 // 4), (512 // 4, 1024)): 1,  # mlp
   })
   assert _local_gemm_shapes("infir2", (1, 2, 4)) == want
 

@@ -7,6 +7,7 @@ import json
 import os
 
 from infir2_jax.precision.kernels.gemm import KERNEL_NAME as GEMM_KERNEL, parse_gemm_kernel_name
+from infir2_jax.precision.kernels.fused_quantize import FUSED_KERNEL_NAME
 from infir2_jax.precision.kernels.quantize import KERNEL_NAME as QUANTIZE_KERNEL
 
 GEMM_KEYS = ("gemm", "cublas", "cutlass", "xmma", "sm90", "nvjet", "matmul", "dot")
@@ -15,14 +16,17 @@ PALLAS_KEYS = ("block_scaled", "fp8_gemm", "quantize", "mosaic", "pallas")
 
 
 def kernel_kind(name: str) -> str:
-  """attention | pallas_fp8_gemm | pallas_quantize | pallas_fp8 | gemm | other."""
+  """attention | pallas_fp8_gemm | pallas_quantize | pallas_fused_quantize (quantization
+  fused into its producer, e.g. SwiGLU) | pallas_fp8 | gemm | other."""
   name = name.lower()
   if any(s in name for s in ATTENTION_KEYS):
     return "attention"
-  if GEMM_KERNEL in name:  # our kernels' names (kernels/gemm.py, quantize.py)
+  if GEMM_KERNEL in name:  # our kernels' names (kernels/gemm.py, quantize.py, fused_quantize.py)
     return "pallas_fp8_gemm"
   if QUANTIZE_KERNEL in name:
     return "pallas_quantize"
+  if FUSED_KERNEL_NAME in name:
+    return "pallas_fused_quantize"
   if any(s in name for s in PALLAS_KEYS):
     return "pallas_fp8"
   if any(s in name for s in GEMM_KEYS):
@@ -100,5 +104,7 @@ def summarize_trace(trace_dir: str, top: int = 25) -> dict:
           "all_processes": sorted(set(names.values()))[:20], "trace_file": paths[0],
           "top_kernels_ms": [[n[:160], kernel_kind(n), d / 1e3, calls[n]]
                              for n, d in per_kernel.most_common(top)],
+          # every kernel: {name: [ms, calls]}, for attributing "other" op by op
+          "kernels_ms": {n[:200]: [d / 1e3, calls[n]] for n, d in per_kernel.items()},
           "fp8_gemm_by_problem": fp8_gemm_rates(per_kernel, calls),
           "concurrency": concurrency(intervals)}

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from infir2_jax.model.axes import TOKEN_AXES, compute_axes
-from infir2_jax.precision.per_shard import ProjectionAxes
+from infir2_jax.precision import swiglu
+from infir2_jax.precision.per_shard import MlpAxes, ProjectionAxes
 
 DotGeneral = Callable[..., jax.Array]
 
@@ -29,6 +30,9 @@ class DotGeneralFactory(Protocol):
 
   def __call__(self, path: str, axes: ProjectionAxes | None = None) -> DotGeneral: ...
 
+  # Optional: `gated_mlp(path, axes: MlpAxes)` -> mlp(x, w_gate, w_up, w_down) or None, the
+  # whole SwiGLU MLP at `path` as one op (precision.fused_mlp); the MLP uses it when given.
+
 
 def default_dot_general_factory(path: str, axes: ProjectionAxes | None = None) -> DotGeneral:
   del path, axes
@@ -44,6 +48,18 @@ def dense_dimension_numbers(x: jax.Array):
   return (((x.ndim - 1,), (0,)), ((), ()))
 
 
+def _compute_kernel(module: nn.Module, in_features: int):
+  """The module's kernel param [in, out] (module.features, kernel_axes, init_std, dtypes),
+  returned as its compute-dtype copy in its compute layout."""
+  kernel = module.param(
+      "kernel",
+      nn.with_logical_partitioning(nn.initializers.normal(module.init_std), module.kernel_axes),
+      (in_features, module.features), module.param_dtype)
+  # The compute copy is gathered over fsdp right here (tensor split kept), so GSPMD moves
+  # the weight, not the activations.
+  return nn.with_logical_constraint(kernel.astype(module.dtype), compute_axes(module.kernel_axes))
+
+
 class Linear(nn.Module):
   """y = x @ W (+ b), W stored [in, out] in param_dtype, computed in dtype via the factory."""
   features: int
@@ -56,14 +72,8 @@ class Linear(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    kernel = self.param(
-        "kernel",
-        nn.with_logical_partitioning(nn.initializers.normal(self.init_std), self.kernel_axes),
-        (x.shape[-1], self.features), self.param_dtype)
-    # The compute copy is gathered over fsdp right here (tensor split kept), so GSPMD moves
-    # the weight, not the activations.
+    kernel = _compute_kernel(self, x.shape[-1])
     w_axes = compute_axes(self.kernel_axes)
-    kernel = nn.with_logical_constraint(kernel.astype(self.dtype), w_axes)
     axes = None
     if x.ndim - 1 <= len(TOKEN_AXES):
       axes = ProjectionAxes(x=(*TOKEN_AXES[:x.ndim - 1], w_axes[0]), w=w_axes)
@@ -76,6 +86,20 @@ class Linear(nn.Module):
           (self.features,), self.param_dtype)
       y = y + bias.astype(y.dtype)
     return y
+
+
+class Kernel(nn.Module):
+  """A Linear's kernel alone (same param, same name), for a product run elsewhere: the
+  fused MLP takes its three projections' weights."""
+  features: int
+  kernel_axes: tuple[str, str]
+  dtype: Any = jnp.bfloat16
+  param_dtype: Any = jnp.float32
+  init_std: float = 0.02
+
+  @nn.compact
+  def __call__(self, in_features: int) -> jax.Array:
+    return _compute_kernel(self, in_features)
 
 
 class RMSNorm(nn.Module):
@@ -111,7 +135,11 @@ def apply_rope(x_BxLxNxDh: jax.Array, cos_BxLxDh: jax.Array, sin_BxLxDh: jax.Arr
 
 
 class MLP(nn.Module):
-  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  """SwiGLU: down(silu(gate(x)) * up(x)), silu and the product in float32 (precision.swiglu).
+
+  When the factory offers a fused MLP for this path (block-scaled FP8 recipes), the three
+  projections run as that one op; the params (gate_proj, up_proj, down_proj kernels) are the
+  same either way."""
   intermediate_size: int
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
@@ -120,12 +148,26 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxLxD):
+    width, hidden = x_BxLxD.shape[-1], self.intermediate_size
+    fused = None
+    if hasattr(self.dot_general_factory, "gated_mlp") and x_BxLxD.ndim - 1 <= len(TOKEN_AXES):
+      hidden_axes = compute_axes(("embed", "mlp"))
+      axes = MlpAxes(x=(*TOKEN_AXES[:x_BxLxD.ndim - 1], hidden_axes[0]), hidden=hidden_axes)
+      fused = self.dot_general_factory.gated_mlp(module_path(self), axes)
+    if fused is not None:
+      kernel = lambda features, axes, name, fan_in: Kernel(
+          features, axes, self.dtype, self.param_dtype, self.init_std, name=name)(fan_in)
+      w_gate = kernel(hidden, ("embed", "mlp"), "gate_proj", width)
+      w_up = kernel(hidden, ("embed", "mlp"), "up_proj", width)
+      w_down = kernel(width, ("mlp", "embed"), "down_proj", hidden)
+      return fused(x_BxLxD.astype(self.dtype), w_gate, w_up, w_down)
+
     def dense(features, axes, name):
       return Linear(features, axes, dtype=self.dtype, param_dtype=self.param_dtype,
                     init_std=self.init_std, dot_general_factory=self.dot_general_factory,
                     name=name)
-    gate_BxLxF = dense(self.intermediate_size, ("embed", "mlp"), "gate_proj")(x_BxLxD)
-    up_BxLxF = dense(self.intermediate_size, ("embed", "mlp"), "up_proj")(x_BxLxD)
-    h_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF
+    gate_BxLxF = dense(hidden, ("embed", "mlp"), "gate_proj")(x_BxLxD)
+    up_BxLxF = dense(hidden, ("embed", "mlp"), "up_proj")(x_BxLxD)
+    h_BxLxF = swiglu(gate_BxLxF, up_BxLxF)
     h_BxLxF = nn.with_logical_constraint(h_BxLxF, ("batch", "length", "act_mlp"))
-    return dense(x_BxLxD.shape[-1], ("mlp", "embed"), "down_proj")(h_BxLxF)
+    return dense(width, ("mlp", "embed"), "down_proj")(h_BxLxF)

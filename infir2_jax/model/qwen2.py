@@ -131,14 +131,19 @@ class Qwen2(nn.Module):
 
 def _uniform_factory(factory: DotGeneralFactory, layer_names) -> DotGeneralFactory:
   """A factory for the scanned layer: every layer's projection must get the same one."""
-  def make(path, axes=None):
-    made = [factory(f"{name}/{path}", axes) for name in layer_names]
+  def uniform(make_one, path, axes):
+    made = [make_one(f"{name}/{path}", axes) for name in layer_names]
     if any(m is not made[0] for m in made[1:]):
       raise ValueError(
           f"model.scan_layers=True runs one layer body for all layers, but the precision "
           f"differs between layers at '{path}' (per-layer precision.overrides or "
           "telemetry); set model.scan_layers=False")
     return made[0]
+
+  def make(path, axes=None):
+    return uniform(factory, path, axes)
+  if hasattr(factory, "gated_mlp"):
+    make.gated_mlp = lambda path, axes=None: uniform(factory.gated_mlp, path, axes)
   return make
 
 

@@ -41,12 +41,17 @@ class PrecisionConfig:
     telemetry_every_steps: collect FP8 numerics telemetry every N steps; 0 = off.
     quantize_lm_head: let the recipe (and overrides) reach the LM head too; when False the
       LM head and embedding paths are always bf16, whatever the overrides say.
+    fused_mlp: run each SwiGLU MLP as one op where its recipe allows (precision.fused_mlp:
+      gate and up as one GEMM, quantization fused into SwiGLU and its backward); False runs
+      its three projections as separate dot_generals (the same quantized operands; dx then
+      adds two bf16 products).
   """
   recipe: str = "bf16"
   overrides: tuple[str, ...] = ()
   backend: str = "auto"
   telemetry_every_steps: int = 0
   quantize_lm_head: bool = False
+  fused_mlp: bool = True
 
   def __post_init__(self):
     if isinstance(self.overrides, str):

@@ -45,7 +45,8 @@ FPROP_STATS_SHAPE = (2, len(quant_error.STAT_NAMES))  # (x, w) x stats
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class GemmPlan:
+  """What one FP8 product runs: its recipe, backend and dtypes (static under jit)."""
   recipe: Recipe
   backend: str
   out_dtype: np.dtype
@@ -63,7 +64,7 @@ def quantize_operand(x: jax.Array, spec: OperandSpec, compute_dtype=None):
   return quantize_tensor(x, spec.tile, spec.fmt, spec.scale_format)
 
 
-def _transposed_operand(prev, raw: jax.Array, spec: OperandSpec, compute_dtype):
+def transposed_operand(prev, raw: jax.Array, spec: OperandSpec, compute_dtype):
   """raw^T quantized per spec, reusing `prev` (raw's quantized form) when it is the same."""
   if not spec.quantized:
     return raw.T.astype(compute_dtype)
@@ -75,7 +76,7 @@ def _transposed_operand(prev, raw: jax.Array, spec: OperandSpec, compute_dtype):
   return quantize_operand(raw.T, spec)
 
 
-def _fused_kernels(plan: _Plan, x, *specs: OperandSpec, tile):
+def quantizer_kernels(plan: GemmPlan, x, *specs: OperandSpec, tile):
   """The kernels module when its fused quantizer for `tile` applies to x and all specs."""
   quantized = [sp for sp in specs if sp.quantized]
   if (x.dtype != jnp.bfloat16 or x.ndim != 2 or not specs[0].quantized
@@ -86,16 +87,16 @@ def _fused_kernels(plan: _Plan, x, *specs: OperandSpec, tile):
   return gemm.pallas_kernels(plan.backend)
 
 
-def _quantize_rows(plan: _Plan, x_MxK, spec: OperandSpec, spec_t: "OperandSpec | None"):
+def quantize_rows(plan: GemmPlan, x_MxK, spec: OperandSpec, spec_t: "OperandSpec | None"):
   """(x per spec, x^T per spec_t or None): X in fprop+wgrad, dY in dgrad+wgrad.
 
   On Hopper both come from one read of x (kernels.quantize_tiles, with_transpose).
   """
   specs = (spec,) if spec_t is None else (spec, spec_t)
-  kernels = _fused_kernels(plan, x_MxK, *specs, tile=(1, 128))
+  kernels = quantizer_kernels(plan, x_MxK, *specs, tile=(1, 128))
   if kernels is None:
     xq = quantize_operand(x_MxK, spec, plan.compute_dtype)
-    xt = None if spec_t is None else _transposed_operand(xq, x_MxK, spec_t, plan.compute_dtype)
+    xt = None if spec_t is None else transposed_operand(xq, x_MxK, spec_t, plan.compute_dtype)
     return xq, xt
   both = spec_t is not None and spec_t.quantized
   out = kernels.quantize_tiles(x_MxK, fmt=spec.fmt, scale_format=spec.scale_format,
@@ -109,23 +110,40 @@ def _quantize_rows(plan: _Plan, x_MxK, spec: OperandSpec, spec_t: "OperandSpec |
                      spec.scale_format)
 
 
-def _quantize_weight(plan: _Plan, w_NxK, spec: OperandSpec):
+def _quantize_weight(plan: GemmPlan, w_NxK, spec: OperandSpec):
   """W^T per spec; 128x128 blocks by kernels.quantize_blocks on Hopper."""
-  kernels = _fused_kernels(plan, w_NxK, spec, tile=(128, 128))
+  kernels = quantizer_kernels(plan, w_NxK, spec, tile=(128, 128))
   if kernels is None:
     return quantize_operand(w_NxK, spec, plan.compute_dtype)
   q, scale = kernels.quantize_blocks(w_NxK, fmt=spec.fmt, scale_format=spec.scale_format)
   return QTensor(q, scale, resolve_tile(spec.tile, w_NxK.shape), spec.scale_format)
 
 
+def quantize_weight_both(plan: GemmPlan, w_KxN, spec_t: OperandSpec, spec: OperandSpec):
+  """(W^T per spec_t, W per spec): a weight stored [K, N] as fprop's rhs [N, K] and dgrad's
+  rhs [K, N]. On Hopper, 128x128 blocks in both layouts come from one read of W
+  (kernels.quantize_blocks with_transpose; the blocks are transpose-symmetric), and no bf16
+  transpose of W is made."""
+  kernels = (quantizer_kernels(plan, w_KxN, spec_t, spec, tile=(128, 128))
+             if spec_t.quantized and spec.quantized else None)
+  if kernels is None:
+    w_NxK = w_KxN.T
+    wq = quantize_operand(w_NxK, spec_t, plan.compute_dtype)
+    return wq, transposed_operand(wq, w_NxK, spec, plan.compute_dtype)
+  q, s, qt = kernels.quantize_blocks(w_KxN, fmt=spec.fmt, scale_format=spec.scale_format,
+                                     with_transpose=True)
+  w = QTensor(q, s, resolve_tile(spec.tile, w_KxN.shape), spec.scale_format)
+  return w.transpose(), w
+
+
 def _dtype(name, default):
   return np.dtype(name) if name is not None else default
 
 
-def _fprop(plan: _Plan, x_MxK, w_NxK, xt_spec=None):
+def _fprop(plan: GemmPlan, x_MxK, w_NxK, xt_spec=None):
   spec = plan.recipe.fprop
   with jax.named_scope("fp8_fprop"):
-    xq, xt = _quantize_rows(plan, x_MxK, spec.lhs, xt_spec)
+    xq, xt = quantize_rows(plan, x_MxK, spec.lhs, xt_spec)
     wq = _quantize_weight(plan, w_NxK, spec.rhs)
     y_MxN = gemm.matmul_nt(xq, wq, out_dtype=_dtype(spec.out_dtype, plan.out_dtype),
                            backend=plan.backend, fast_accum=spec.fast_accum,
@@ -139,18 +157,18 @@ def _fprop(plan: _Plan, x_MxK, w_NxK, xt_spec=None):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_matmul(plan: _Plan, x_MxK, w_NxK, sink):
+def _fp8_matmul(plan: GemmPlan, x_MxK, w_NxK, sink):
   del sink
   y_MxN, _, _, _, fstats = _fprop(plan, x_MxK, w_NxK)
   return (y_MxN, fstats) if plan.telemetry else y_MxN
 
 
-def _fp8_matmul_fwd(plan: _Plan, x_MxK, w_NxK, sink):
+def _fp8_matmul_fwd(plan: GemmPlan, x_MxK, w_NxK, sink):
   r = plan.recipe
   # X^T for wgrad (tiles along tokens) is made with X's fprop quantization: one read on GPU.
   y_MxN, xq, xt_KxM, wq, fstats = _fprop(plan, x_MxK, w_NxK, xt_spec=r.wgrad.lhs)
   with jax.named_scope("fp8_residuals"):
-    w_KxN = _transposed_operand(wq, w_NxK, r.dgrad.rhs, plan.compute_dtype)   # N last
+    w_KxN = transposed_operand(wq, w_NxK, r.dgrad.rhs, plan.compute_dtype)   # N last
   bstats = None
   if plan.has_sink:
     with jax.named_scope("fp8_telemetry"):
@@ -161,12 +179,12 @@ def _fp8_matmul_fwd(plan: _Plan, x_MxK, w_NxK, sink):
   return out, (xt_KxM, w_KxN, bstats)
 
 
-def _fp8_matmul_bwd(plan: _Plan, res, g):
+def _fp8_matmul_bwd(plan: GemmPlan, res, g):
   r = plan.recipe
   xt_KxM, w_KxN, bstats = res
   dy_MxN = g[0] if plan.telemetry else g
   with jax.named_scope("fp8_dgrad"):
-    dyq, dyt_NxM = _quantize_rows(plan, dy_MxN, r.dgrad.lhs, r.wgrad.rhs)
+    dyq, dyt_NxM = quantize_rows(plan, dy_MxN, r.dgrad.lhs, r.wgrad.rhs)
     dx_MxK = gemm.matmul_nt(dyq, w_KxN, out_dtype=_dtype(r.dgrad.out_dtype, plan.x_dtype),
                             backend=plan.backend, fast_accum=r.dgrad.fast_accum)
   with jax.named_scope("fp8_wgrad"):
@@ -214,7 +232,7 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=No
   x_MxK, w_NxK, out_shape = canonicalize(lhs, rhs, dimension_numbers)
   out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
                        else jnp.result_type(lhs.dtype, rhs.dtype))
-  plan = _Plan(recipe, gemm.check_backend(backend), out_dtype, np.dtype(lhs.dtype),
+  plan = GemmPlan(recipe, gemm.check_backend(backend), out_dtype, np.dtype(lhs.dtype),
                np.dtype(rhs.dtype), np.dtype(jnp.result_type(lhs.dtype, rhs.dtype)),
                telemetry, telemetry and sink is not None)
   out = _fp8_matmul(plan, x_MxK, w_NxK, sink)

@@ -1,14 +1,17 @@
 """make_dot_general_factory: PrecisionConfig -> (projection path, axes) -> dot_general."""
 
 from infir2_jax.precision.config import PrecisionConfig, resolve_recipe
+from infir2_jax.precision import fused_mlp
 from infir2_jax.precision.dot_general import make_dot_general
 from infir2_jax.precision.gemm import bf16_dot_general
-from infir2_jax.precision.per_shard import ProjectionAxes, per_shard, shard_local
+from infir2_jax.precision.per_shard import (
+    MlpAxes, ProjectionAxes, per_shard, per_shard_mlp, shard_local)
 from infir2_jax.precision.telemetry import TelemetryDotGeneral, module_name
 
 
 def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
-  """Returns factory(path, axes=None) -> the dot_general of the projection at `path`.
+  """Returns factory(path, axes=None) -> the dot_general of the projection at `path`, and
+  factory.gated_mlp(path, axes=None) -> the fused MLP of the MLP at `path` or None.
 
   - bf16 projections (the bf16 recipe, bf16 overrides, the LM head by default) get
     gemm.bf16_dot_general (lax.dot_general, with f32 operands on CPU only, for speed).
@@ -18,6 +21,11 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
     module_name(path), created in the caller's compact method (so it becomes a child of the
     projection and can own sinks / sow stats). It runs globally: statistics sown inside
     shard_map would leak out of its trace.
+  - gated_mlp: the SwiGLU MLP as one FP8 op (precision.fused_mlp: quantization fused into
+    SwiGLU and its backward, gate and up as one GEMM) where its three projections share a
+    recipe that fused_mlp.supports, without telemetry, unless cfg.fused_mlp is False; None
+    elsewhere (the model then
+    composes the three projections' dot_generals).
   """
   if not isinstance(cfg, PrecisionConfig):
     raise TypeError(f"make_dot_general_factory needs a PrecisionConfig, got {type(cfg).__name__}")
@@ -36,4 +44,21 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
       cache[recipe.name, axes] = dot_general if axes is None else per_shard(dot_general, axes)
     return cache[recipe.name, axes]
 
+  def gated_mlp(path: str, axes: MlpAxes | None = None):
+    recipes = {resolve_recipe(cfg, f"{path}/{name}")
+               for name in ("gate_proj", "up_proj", "down_proj")}
+    if telemetry or not cfg.fused_mlp or len(recipes) != 1:
+      return None
+    (recipe,) = recipes
+    if recipe.is_bf16 or not fused_mlp.supports(recipe):
+      return None
+    if not shard_local(recipe):
+      axes = None
+    key = ("mlp", recipe.name, axes)
+    if key not in cache:
+      mlp = fused_mlp.make_gated_mlp(recipe, backend=cfg.backend)
+      cache[key] = mlp if axes is None else per_shard_mlp(mlp, axes)
+    return cache[key]
+
+  factory.gated_mlp = gated_mlp
   return factory

@@ -103,3 +103,45 @@ def per_shard(dot_general, axes: ProjectionAxes):
 
   call.recipe = getattr(dot_general, "recipe", None)
   return call
+
+
+@dataclasses.dataclass(frozen=True)
+class MlpAxes:
+  """Logical axes of a gated MLP y[..., D] = mlp(x[..., D], w_gate/w_up [D, F], w_down [F, D]).
+
+  Attributes:
+    x: one name per dim of x, e.g. ("batch", "length", "act_embed").
+    hidden: the compute axes of w_gate's [D, F], e.g. ("act_embed", "act_mlp").
+  """
+  x: tuple[str | None, ...]
+  hidden: tuple[str | None, str | None]
+
+
+def per_shard_mlp(mlp, axes: MlpAxes):
+  """`mlp` (x, w_gate, w_up, w_down) run inside shard_map on each device's shard: tokens
+  split like the batch, F like its compute axis (Megatron: gate/up column-parallel, down
+  row-parallel, its partial outputs summed over the tensor axis). One global call when there
+  is no mesh of several devices, x is not laid out as `axes` says, D is split, or a split
+  does not divide evenly."""
+  def call(x, wg, wu, wd):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or x.ndim != len(axes.x):
+      return mlp(x, wg, wu, wd)
+    *lead, d_axes = _mesh_axes(axes.x)
+    dk_axes, f_axes = _mesh_axes(axes.hidden)
+    if d_axes is not None or dk_axes is not None:
+      return mlp(x, wg, wu, wd)
+    x_spec, w_spec, wd_spec = P(*lead, None), P(None, f_axes), P(f_axes, None)
+    dims = [*zip(x.shape, x_spec), *zip(wg.shape, w_spec), *zip(wd.shape, wd_spec)]
+    if any(size % _ways(mesh, entry) for size, entry in dims):
+      return mlp(x, wg, wu, wd)
+    shard = lambda f, out_spec: jax.shard_map(f, mesh=mesh, in_specs=(x_spec, w_spec, w_spec,
+                                                                      wd_spec),
+                                              out_specs=out_spec, check_vma=False)
+    if f_axes is None:
+      return shard(mlp, x_spec)(x, wg, wu, wd)
+    partials = shard(lambda *a: mlp(*a)[None], P(f_axes, *lead, None))(x, wg, wu, wd)
+    return partials.sum(0, dtype=partials.dtype)
+
+  call.recipe = getattr(mlp, "recipe", None)
+  return call

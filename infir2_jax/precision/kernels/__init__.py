@@ -9,10 +9,13 @@ on CPU, for tests):
                                    (KernelScales, built by kernel_scales()).
   quantize_tiles(...)              1x128 tiles [+ token-axis tiles for wgrad].
   quantize_blocks(...)             128x128 weight blocks [+ transposed q].
+  swiglu_quantize(...)             SwiGLU fused with the 1x128 tiles of its output.
+  swiglu_bwd_quantize(...)         SwiGLU's backward fused with the tiles of dgate, dup.
 and pure-jnp references `*_reference` of each.
 
 Files: gemm.py (GEMM wrapper and reference), gemm_body.py (its Pallas body), tuning.py
-(TuningConfig, default_config, fitting), quantize.py (quantization kernels and references).
+(TuningConfig, default_config, fitting), quantize.py (quantization kernels and references), fused_quantize.py (quantization fused
+into the elementwise producer of the operand).
 The FP8 formats and scale rules they share are infir2_jax.precision.formats's.
 """
 import functools
@@ -28,6 +31,10 @@ from infir2_jax.precision.kernels.gemm import block_scaled_matmul
 from infir2_jax.precision.kernels.gemm import block_scaled_matmul_reference
 from infir2_jax.precision.kernels.gemm import kernel_scales
 from infir2_jax.precision.kernels.gemm import matmul_kernel_scales
+from infir2_jax.precision.kernels.fused_quantize import swiglu_bwd_quantize
+from infir2_jax.precision.kernels.fused_quantize import swiglu_bwd_quantize_reference
+from infir2_jax.precision.kernels.fused_quantize import swiglu_quantize
+from infir2_jax.precision.kernels.fused_quantize import swiglu_quantize_reference
 from infir2_jax.precision.kernels.quantize import quantize_blocks
 from infir2_jax.precision.kernels.quantize import quantize_blocks_reference
 from infir2_jax.precision.kernels.quantize import quantize_tiles
@@ -42,6 +49,8 @@ __all__ = [
     "KernelScales", "kernel_scales", "matmul_kernel_scales",
     "quantize_tiles", "quantize_tiles_reference",
     "quantize_blocks", "quantize_blocks_reference",
+    "swiglu_quantize", "swiglu_quantize_reference",
+    "swiglu_bwd_quantize", "swiglu_bwd_quantize_reference",
 ]
 
 

@@ -74,8 +74,8 @@ def quantize_tiles_reference(x, *, fmt="e4m3", scale_format="ue8m0", with_transp
   return (q, s, *_tiles_along_last(x.T, fmt, scale_format))
 
 
-def quantize_blocks_reference(w, *, fmt="e4m3", scale_format="ue8m0"):
-  """Pure-jnp 128x128 block quantization of a 2-D w: (q, s [Rb, Cb])."""
+def quantize_blocks_reference(w, *, fmt="e4m3", scale_format="ue8m0", with_transpose=False):
+  """Pure-jnp 128x128 block quantization of a 2-D w: (q, s [Rb, Cb]) [, q of w^T]."""
   _check_formats(fmt, scale_format)
   if w.ndim != 2:
     raise ValueError(f"w.shape={w.shape}: 128x128 blocks need a 2-D array")
@@ -86,7 +86,52 @@ def quantize_blocks_reference(w, *, fmt="e4m3", scale_format="ue8m0"):
   amax = lax.bitcast_convert_type(jnp.max(abs_bits(wf), axis=(1, 3)), jnp.float32)
   s = scale_from_amax(amax, fmt, scale_format)
   q = quantize_values(wf, (1.0 / s)[:, None, :, None], fmt)
-  return q.reshape(rb * TILE, cb * TILE)[:r, :c], s
+  q = q.reshape(rb * TILE, cb * TILE)[:r, :c]
+  return (q, s, q.T) if with_transpose else (q, s)
+
+
+HALF = TILE // 2  # Registers hold 64 x 128 f32 at a time (64 per thread).
+
+
+def smem_transforms(dtype):
+  """TMA-friendly tiling and 128-byte swizzle of a [128, 128] buffer of `dtype`."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  tile = (8, 128 // jnp.dtype(dtype).itemsize)
+  return (plgpu.TilingTransform(tile), plgpu.SwizzleTransform(128))
+
+
+def load_half(ref, h: int, transposed: bool):
+  """Rows [64h, 64h + 64) of a [128, 128] shared-memory block (of its transpose) as f32."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  view = ref.T if transposed else ref
+  x = plgpu.load(view.at[pl.ds(h * HALF, HALF)], layout=plgpu.Layout.WGMMA,
+                 optimized=not transposed)
+  return x.astype(jnp.float32)
+
+
+def row_amax(x):
+  """max |x| of each row of a WGMMA-layout [64, 128] f32 array (on the int32 bits)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  amax_bits = plgpu.layout_cast(jnp.max(abs_bits(x), axis=1), plgpu.Layout.WGMMA.reduce(1))
+  return lax.bitcast_convert_type(amax_bits, jnp.float32)
+
+
+def quantize_half(x, s, fmt: str):
+  """fp8 of the rows of x with their row scales s (one per row)."""
+  inv = lax.broadcast_in_dim(1.0 / s, x.shape, (0,))
+  return quantize_values(x, inv, fmt)
+
+
+def quantize_block_tiles(src_smem, q_smem, s_smem, *, transposed, fmt, scale_format):
+  """The 1x128 tiles of a [128, 128] bf16 block (or of its transpose), shared memory to
+  shared memory: q_smem [128, 128] fp8 and s_smem [1, 128] f32, one scale per row."""
+  import jax.experimental.pallas as pl
+  for h in range(2):
+    x = load_half(src_smem, h, transposed)
+    s = scale_from_amax(row_amax(x), fmt, scale_format)
+    q_smem[pl.ds(h * HALF, HALF)] = quantize_half(x, s, fmt)
+    s_smem[0, pl.ds(h * HALF, HALF)] = s
 
 
 def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose):
@@ -97,25 +142,7 @@ def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose):
   mi, ki = lax.axis_index("m"), lax.axis_index("k")
   rows, cols = pl.ds(mi * TILE, TILE), pl.ds(ki * TILE, TILE)
   dtype = formats.get_format(fmt).dtype
-  half = TILE // 2  # Registers hold 64 x 128 f32 at a time (64 per thread).
-  row_layout = plgpu.Layout.WGMMA.reduce(1)
-  x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  q_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
   q_gmem, s_gmem, *t_outs = outs
-
-  def load_half(ref, h, transposed):
-    view = ref.T if transposed else ref
-    x = plgpu.load(view.at[pl.ds(h * half, half)], layout=plgpu.Layout.WGMMA,
-                   optimized=not transposed)
-    return x.astype(jnp.float32)
-
-  def row_amax(x):
-    amax_bits = plgpu.layout_cast(jnp.max(abs_bits(x), axis=1), row_layout)
-    return lax.bitcast_convert_type(amax_bits, jnp.float32)
-
-  def quantize_half(x, s):
-    inv = lax.broadcast_in_dim(1.0 / s, x.shape, (0,))
-    return quantize_values(x, inv, fmt)
 
   def scoped(x_smem, q_smem, qt_smem, s_smem, st_smem, bar):
     plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, bar)
@@ -124,17 +151,19 @@ def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose):
       amax = jnp.maximum(row_amax(load_half(x_smem, 0, False)),
                          row_amax(load_half(x_smem, 1, False)))
       s_block = scale_from_amax(jnp.maximum(amax, jnp.max(amax)), fmt, scale_format)
-    for transposed, dst, s_dst in ((False, q_smem, s_smem), (True, qt_smem, st_smem)):
-      if transposed and not with_transpose:
-        continue
-      for h in range(2):
-        x = load_half(x_smem, h, transposed)
-        s = s_block if blocks else scale_from_amax(row_amax(x), fmt, scale_format)
-        dst[pl.ds(h * half, half)] = quantize_half(x, s)
-        if not blocks:
-          s_dst[0, pl.ds(h * half, half)] = s
-    if blocks:
-      s_smem[0, pl.ds(0, half)] = s_block
+      for transposed, dst in ((False, q_smem), (True, qt_smem)):
+        if transposed and not with_transpose:
+          continue
+        for h in range(2):
+          dst[pl.ds(h * HALF, HALF)] = quantize_half(load_half(x_smem, h, transposed),
+                                                     s_block, fmt)
+      s_smem[0, pl.ds(0, HALF)] = s_block
+    else:
+      quantize_block_tiles(x_smem, q_smem, s_smem, transposed=False, fmt=fmt,
+                           scale_format=scale_format)
+      if with_transpose:
+        quantize_block_tiles(x_smem, qt_smem, st_smem, transposed=True, fmt=fmt,
+                             scale_format=scale_format)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, cols])
     if blocks:  # TMA writes >= 16 bytes: four copies of the block's scale.
@@ -150,9 +179,10 @@ def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose):
 
   pl.run_scoped(
       scoped,
-      plgpu.SMEM((TILE, TILE), x_gmem.dtype, transforms=x_transforms),
-      plgpu.SMEM((TILE, TILE), dtype, transforms=q_transforms),
-      plgpu.SMEM((TILE, TILE) if with_transpose else (8, TILE), dtype, transforms=q_transforms),
+      plgpu.SMEM((TILE, TILE), x_gmem.dtype, transforms=smem_transforms(x_gmem.dtype)),
+      plgpu.SMEM((TILE, TILE), dtype, transforms=smem_transforms(dtype)),
+      plgpu.SMEM((TILE, TILE) if with_transpose else (8, TILE), dtype,
+                 transforms=smem_transforms(dtype)),
       plgpu.SMEM((1, TILE), jnp.float32),
       plgpu.SMEM((1, TILE), jnp.float32),
       plgpu.Barrier(),

@@ -1,0 +1,219 @@
+"""FP8 quantization fused into the elementwise op that makes the operand (Mosaic GPU), with
+pure-jnp references: the SwiGLU forward (-> down_proj's input) and backward (-> gate/up's
+output gradients), each written straight to 1x128 tiles along K and along tokens.
+
+Semantics (the contract both the kernel and the reference compute, bit for bit on CPU):
+  value = bf16(f(inputs in f32))       the producer in float32, rounded once to bf16
+  (q, s, qT, sT) = quantize_tiles_reference(value, with_transpose=True)
+so the FP8 operand is exactly the quantization of the bf16 tensor the BF16 recipe would feed
+its GEMM (the producers are the functions below, which the model uses in every recipe).
+On a GPU the producer's exp and division may round differently from XLA's in the last f32
+bit, which moves `value` by one bf16 ulp in a few elements per million (tests/
+test_kernels_gpu.py measures it); the quantization of whatever value the kernel made is exact.
+
+Shape legend: M tokens, F the MLP width (a multiple of 128), gu [M, 2F] the gate and up
+projections side by side (gate in columns [0, F), up in [F, 2F)), dh [M, F] the gradient of
+SwiGLU's output, dgu [M, 2F] the gradients of gate and up side by side.
+
+Kernel: one CTA per 128x128 block of the output, one warpgroup. Every input block is read
+once by TMA into shared memory; the producer runs on 64-row halves in registers and leaves
+its bf16 outputs in shared memory (over the input buffers it no longer needs); then each
+output is quantized as quantize.py does (rows from a register load, token tiles from a
+transposed load) and written by TMA, its scales K-block-major as the GEMM reads them.
+"""
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from infir2_jax.precision import formats
+from infir2_jax.precision.kernels.quantize import (
+    HALF, TILE, load_half, quantize_block_tiles,
+    quantize_tiles_reference, smem_transforms)
+
+FUSED_KERNEL_NAME = "infir2_fused_quantize"
+
+
+def sigmoid_f32(x):
+  """1 / (1 + exp(-x)) in float32, the form both the kernel and XLA lower."""
+  return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def swiglu_f32(g, u):
+  """SwiGLU silu(g) * u = g * sigmoid(g) * u, in float32."""
+  return (g * sigmoid_f32(g) * u,)
+
+
+def swiglu_bwd_f32(dh, g, u):
+  """Gradients of swiglu_f32 w.r.t. (g, u) for the output gradient dh, in float32:
+  dg = dh * u * s * (1 + g * (1 - s)) and du = dh * g * s, with s = sigmoid(g)."""
+  s = sigmoid_f32(g)
+  dsilu = s * (1.0 + g * (1.0 - s))
+  return dh * u * dsilu, dh * (g * s)
+
+
+def swiglu_reference(gu_Mx2F):
+  """h [M, F] = swiglu_f32(gate, up) of gu = [gate | up], rounded to gu's dtype (bf16)."""
+  f = _half_width(gu_Mx2F)
+  g, u = gu_Mx2F[:, :f].astype(jnp.float32), gu_Mx2F[:, f:].astype(jnp.float32)
+  return swiglu_f32(g, u)[0].astype(gu_Mx2F.dtype)
+
+
+def swiglu_bwd_reference(dh_MxF, gu_Mx2F):
+  """dgu [M, 2F] = [dgate | dup] for SwiGLU's output gradient dh, in gu's dtype (bf16)."""
+  f = _half_width(gu_Mx2F)
+  g, u = gu_Mx2F[:, :f].astype(jnp.float32), gu_Mx2F[:, f:].astype(jnp.float32)
+  dg, du = swiglu_bwd_f32(dh_MxF.astype(jnp.float32), g, u)
+  return jnp.concatenate([dg, du], axis=1).astype(gu_Mx2F.dtype)
+
+
+def swiglu_quantize_reference(gu_Mx2F, *, fmt="e4m3", scale_format="ue8m0"):
+  """(q [M, F], s [M, Fb], qT [F, M], sT [F, Mb]) of swiglu_reference(gu)."""
+  return quantize_tiles_reference(swiglu_reference(gu_Mx2F), fmt=fmt,
+                                  scale_format=scale_format, with_transpose=True)
+
+
+def swiglu_bwd_quantize_reference(dh_MxF, gu_Mx2F, *, fmt="e4m3", scale_format="ue8m0"):
+  """(q [M, 2F], s [M, 2Fb], qT [2F, M], sT [2F, Mb]) of swiglu_bwd_reference(dh, gu)."""
+  return quantize_tiles_reference(swiglu_bwd_reference(dh_MxF, gu_Mx2F), fmt=fmt,
+                                  scale_format=scale_format, with_transpose=True)
+
+
+def _half_width(gu):
+  if gu.ndim != 2 or gu.shape[1] % 2:
+    raise ValueError(f"gu.shape={gu.shape}: expected [M, 2F], gate and up side by side")
+  return gu.shape[1] // 2
+
+
+def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format,
+                with_values):
+  """One CTA makes one 128x128 block of each of the producer's n_out outputs, quantized.
+
+  sources: (input array index, column-block offset) of each producer argument's block.
+  Output j of block (mi, ki) is written at column block j * fb + ki of the outputs;
+  with_values also writes the bf16 values it quantized (for tests).
+  """
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  in_gmem, (q_gmem, s_gmem, qt_gmem, st_gmem, *v_gmem) = refs[:n_arrays], refs[n_arrays:]
+  mi, ki = lax.axis_index("m"), lax.axis_index("k")
+  rows = pl.ds(mi * TILE, TILE)
+  dtype = formats.get_format(fmt).dtype
+
+  def scoped(*scratch):
+    bufs, (q_smem, qt_smem, s_smem, st_smem, bar) = scratch[:len(sources)], scratch[len(sources):]
+    for i, (array, offset) in enumerate(sources):
+      plgpu.copy_gmem_to_smem(in_gmem[array].at[rows, pl.ds((offset + ki) * TILE, TILE)],
+                              bufs[i], bar.at[i])
+    for i in range(len(sources)):
+      plgpu.barrier_wait(bar.at[i])
+    for h in range(2):  # the producer; its bf16 outputs replace the first n_out inputs
+      outs = producer(*(load_half(b, h, False) for b in bufs))
+      for b, y in zip(bufs, outs):
+        b[pl.ds(h * HALF, HALF)] = y.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    for j in range(n_out):
+      if j:  # the previous output's TMA stores must have read q_smem / qt_smem
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      quantize_block_tiles(bufs[j], q_smem, s_smem, transposed=False, fmt=fmt,
+                           scale_format=scale_format)
+      quantize_block_tiles(bufs[j], qt_smem, st_smem, transposed=True, fmt=fmt,
+                           scale_format=scale_format)
+      plgpu.commit_smem()
+      kb = j * fb + ki
+      cols = pl.ds(kb * TILE, TILE)
+      plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, cols])
+      plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[pl.ds(kb, 1), rows])
+      plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[cols, rows])
+      plgpu.copy_smem_to_gmem(st_smem, st_gmem.at[pl.ds(mi, 1), cols])
+      if with_values:
+        plgpu.copy_smem_to_gmem(bufs[j], v_gmem[0].at[rows, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  bf16 = jnp.bfloat16
+  pl.run_scoped(
+      scoped,
+      *(plgpu.SMEM((TILE, TILE), bf16, transforms=smem_transforms(bf16)) for _ in sources),
+      plgpu.SMEM((TILE, TILE), dtype, transforms=smem_transforms(dtype)),
+      plgpu.SMEM((TILE, TILE), dtype, transforms=smem_transforms(dtype)),
+      plgpu.SMEM((1, TILE), jnp.float32),
+      plgpu.SMEM((1, TILE), jnp.float32),
+      plgpu.Barrier(num_barriers=len(sources)),
+  )
+
+
+def fused_kernel_name(producer: str, m: int, f: int) -> str:
+  """The kernel's name in profiles, e.g. infir2_fused_quantize_swiglu_16384x8960."""
+  return f"{FUSED_KERNEL_NAME}_{producer}_{m}x{f}"
+
+
+PRODUCERS = {"swiglu": (swiglu_f32, 1), "swiglu_bwd": (swiglu_bwd_f32, 2)}
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_kernel(producer: str, in_shapes, sources, m: int, f: int, fmt, scale_format,
+                  interpret, with_values=False):
+  """The jitted kernel of one static signature, built once (lowered once per program)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  fn, n_out = PRODUCERS[producer]
+  dtype = formats.get_format(fmt).dtype
+  fb, mb, width = f // TILE, m // TILE, n_out * f
+  out_type = (jax.ShapeDtypeStruct((m, width), dtype),
+              jax.ShapeDtypeStruct((width // TILE, m), jnp.float32),
+              jax.ShapeDtypeStruct((width, m), dtype),
+              jax.ShapeDtypeStruct((mb, width), jnp.float32))
+  if with_values:
+    out_type += (jax.ShapeDtypeStruct((m, width), jnp.bfloat16),)
+  body = functools.partial(_fused_body, producer=fn, sources=sources, n_arrays=len(in_shapes),
+                           n_out=n_out, fb=fb, fmt=fmt, scale_format=scale_format,
+                           with_values=with_values)
+  return jax.jit(plgpu.kernel(
+      body, out_type=out_type, grid=(mb, fb), grid_names=("m", "k"),
+      kernel_name=fused_kernel_name(producer, m, f),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  ))
+
+
+def _run(producer, arrays, sources, f, fmt, scale_format, interpret, with_values=False):
+  """Pads the token axis to whole tiles, runs the kernel, returns the contract's layouts
+  (and, with_values, the bf16 values it quantized)."""
+  formats.get_format(fmt)
+  formats.check_scale_format(scale_format)
+  m = arrays[0].shape[0]
+  for a in arrays:
+    if a.dtype != jnp.bfloat16:
+      raise ValueError(f"fused quantization takes bfloat16 inputs, got {a.dtype}{a.shape}")
+  if f % TILE:
+    raise ValueError(f"fused quantization needs the MLP width F={f} to be a multiple of "
+                     f"{TILE} (whole 1x128 tiles in each of gate and up)")
+  mp = -(-m // TILE) * TILE
+  if mp != m:  # zero rows quantize to zero and are sliced off
+    arrays = [jnp.pad(a, ((0, mp - m), (0, 0))) for a in arrays]
+  kernel = _fused_kernel(producer, tuple(a.shape for a in arrays), sources, mp, f, fmt,
+                         scale_format, interpret, with_values)
+  q, s_KbxM, qt, st_MbxK, *values = kernel(*arrays)
+  return (q[:m], s_KbxM.T[:m], qt[:, :m], st_MbxK.T, *(v[:m] for v in values))
+
+
+def swiglu_quantize(gu_Mx2F, *, fmt="e4m3", scale_format="ue8m0", interpret=False,
+                    with_values=False):
+  """swiglu_quantize_reference(gu) in one pass over gu: (q, s, qT, sT) of h [M, F]
+  (with_values: and h itself, as the kernel computed it)."""
+  f = _half_width(gu_Mx2F)
+  return _run("swiglu", [gu_Mx2F], ((0, 0), (0, f // TILE)), f, fmt, scale_format, interpret,
+              with_values)
+
+
+def swiglu_bwd_quantize(dh_MxF, gu_Mx2F, *, fmt="e4m3", scale_format="ue8m0",
+                        interpret=False, with_values=False):
+  """swiglu_bwd_quantize_reference(dh, gu) in one pass: (q, s, qT, sT) of dgu [M, 2F]
+  (with_values: and dgu itself, as the kernel computed it)."""
+  f = _half_width(gu_Mx2F)
+  if dh_MxF.shape != (gu_Mx2F.shape[0], f):
+    raise ValueError(f"dh.shape={dh_MxF.shape} does not match gu.shape={gu_Mx2F.shape} "
+                     f"(expected {(gu_Mx2F.shape[0], f)})")
+  return _run("swiglu_bwd", [dh_MxF, gu_Mx2F], ((0, 0), (1, 0), (1, f // TILE)), f, fmt,
+              scale_format, interpret, with_values)
+
