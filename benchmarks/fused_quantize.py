@@ -12,11 +12,14 @@ one process, device time (CUPTI) of:
 GB/s counts the fewest bytes of the fused op (inputs read once, fp8 outputs and scales
 written once); "of copy" is against an XLA bf16 x -> -x pass timed the same way. Outputs of
 both paths are compared (fraction of fp8 entries that differ: the two SwiGLUs may round a
-value differently in its last bit).
+value differently in its last bit). Every kernels.fused_quantize.FusedConfig is timed too
+(`configs`), the default one as "fused".
 """
 import argparse
 import json
 import sys
+
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +29,9 @@ from infir2_jax.bench import tools as benchtools
 from infir2_jax.precision import kernels
 from infir2_jax.precision.kernels import fused_quantize as fq
 
-SHAPES = [(16384, 8960), (16384, 18944), (4096, 1536)]
+SHAPES = [(16384, 8960), (16384, 18944)]
+CONFIGS = [fq.FusedConfig(cols, alias) for cols, alias in itertools.product((64, 128),
+                                                                           (True, False))]
 
 
 def _inputs(m, f, n_sets):
@@ -85,6 +90,13 @@ def bench(m, f, n_sets, iters):
       ms = benchtools.device_ms(_rotating(fn), (sets,), iters) / n_sets
       entry[path] = {"us": ms * 1e3, "gbps": nbytes / (ms * 1e-3) / 1e9}
     entry["fused_vs_separate"] = entry["fused"]["us"] / entry["separate"]["us"]
+    entry["configs"] = {}
+    for config in CONFIGS:
+      kernel = kernels.swiglu_quantize if name == "fwd" else kernels.swiglu_bwd_quantize
+      fn = lambda *a, config=config, kernel=kernel: kernel(*a, config=config)
+      ms = benchtools.device_ms(_rotating(fn), (sets,), iters) / n_sets
+      entry["configs"][f"cols{config.producer_cols}_alias{int(config.alias_outputs)}"] = {
+          "us": ms * 1e3, "gbps": nbytes / (ms * 1e-3) / 1e9}
     entry["separate_kernels"] = benchtools.kernel_breakdown(jax.jit(separate), sets[0])
     row[name] = entry
   x = gus[0]
@@ -113,8 +125,8 @@ def main(argv):
         e = row[name]
         print(f"{name} {m}x{f}: fused {e['fused']['us']:7.1f} us ({e['fused']['gbps']:5.0f} GB/s, "
               f"{e['fused_fraction_of_copy_bw']:.0%} of copy), separate {e['separate']['us']:7.1f}"
-              f" us: {e['fused_vs_separate']:.3f}x; q differs in {e['q_entries_differ']:.1e}",
-              flush=True)
+              f" us: {e['fused_vs_separate']:.3f}x; q differs in {e['q_entries_differ']:.1e}; "
+              + ", ".join(f"{k} {v['us']:.0f}" for k, v in e["configs"].items()), flush=True)
     result["rows"].append(row)
     result["info"]["timing_method"] = benchtools.timing_method()
     with open(args.out, "w") as fh:

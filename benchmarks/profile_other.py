@@ -118,7 +118,8 @@ def main(argv):
   for v in step["variants"]:
     if "profile" not in v or (args.label and v["label"] != args.label):
       continue
-    path = os.path.join(args.hlo_dir, f"hlo_{v['label'].replace('~', '_')}_{v['seq_len']}.txt.gz")
+    tag = "".join(c if c.isalnum() or c in "._-" else "_" for c in v["label"])
+    path = os.path.join(args.hlo_dir, f"hlo_{tag}_{v['seq_len']}.txt.gz")
     if not os.path.exists(path):
       print(f"{v['label']}: no HLO at {path}", file=sys.stderr)
       continue

@@ -5,6 +5,8 @@
 #        fused (GPU tests of the fused MLP kernels, their benchmark against the separate
 #        passes, then 1.5B at 2 x 8192: bf16, infir2 without and with the fused MLP, each
 #        profiled, compiled HLO kept for attributing the profile's fusions),
+#        fused2 (the fused kernels' configs with ptxas' register report, the fused MLP's
+#        GPU test, then 1.5B at 2 x 8192: infir2 and bf16, scanned and unrolled layers),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
@@ -36,6 +38,21 @@ elif [[ $STAGE == fused ]]; then
     --seq_lens=8192 "${COMMON[@]}" --override=steps=30 --steps=24 --variant_timeout_s=200 \
     --deadline_s="$DEADLINE" --profile_dir=/tmp/prof --hlo_dir="$OUT" \
     --out="$OUT/train_step_1p5b_8k.json" 2>&1 | tail -40
+elif [[ $STAGE == fused2 ]]; then
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 150 python3 benchmarks/fused_quantize.py \
+    --out "$OUT/fused_quantize.json" > /tmp/fq.log 2>&1
+  grep -E "^(fwd|bwd) " /tmp/fq.log
+  grep -iE "entry function|registers|spill|smem" /tmp/fq.log | head -60 > "$OUT/fused_ptxas.txt"
+  head -12 "$OUT/fused_ptxas.txt"
+  timeout 100 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
+    -k "fused_mlp_pallas" 2>&1 | grep -vE "onstant.folding|slow_operation|reduce_max|^$|If you|This isn" \
+    | tail -30 > "$OUT/gpu_tests.log"
+  tail -4 "$OUT/gpu_tests.log"
+  timeout $((DEADLINE + 260)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
+    --recipes=infir2,bf16,infir2~model.scan_layers=False,bf16~model.scan_layers=False \
+    --seq_lens=8192 "${COMMON[@]}" --override=steps=30 --steps=24 --variant_timeout_s=260 \
+    --deadline_s="$DEADLINE" --profile_dir=/tmp/prof \
+    --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -45
 elif [[ $STAGE == 7b ]]; then
   timeout $((DEADLINE + 230)) python3 benchmarks/train_step.py --config=configs/7b.py \
     --recipes=bf16,infir2~opt.moments=fp8,infir2,infir2~opt.moments=bf16 \

@@ -91,6 +91,11 @@ def split_label(label: str) -> tuple[str, list[str]]:
   return recipe, [o for o in overrides if not o.startswith("--xla")]
 
 
+def _file_tag(label: str) -> str:
+  """A label as a file name part: letters, digits, '.', '_' and '-' only."""
+  return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
+
+
 def xla_flags_of(label: str) -> list[str]:
   """The XLA flags a label adds to its child's XLA_FLAGS ("~--xla_..." parts)."""
   return [o for o in label.split("~")[1:] if o.startswith("--xla")]
@@ -120,7 +125,7 @@ def run_one(args, label: str, seq_len: int) -> dict:
   if args.hlo_dir:
     import gzip
     os.makedirs(args.hlo_dir, exist_ok=True)
-    with gzip.open(os.path.join(args.hlo_dir, f"hlo_{label.replace('~', '_')}_{seq_len}.txt.gz"),
+    with gzip.open(os.path.join(args.hlo_dir, f"hlo_{_file_tag(label)}_{seq_len}.txt.gz"),
                    "wt") as f:
       f.write(hlo_text)
   del hlo_text

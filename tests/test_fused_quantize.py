@@ -25,14 +25,15 @@ def _gu(m, f, seed=0, special=True):
   return jnp.asarray(gu, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("m,f,fmt,scale_format", [
-    (256, 256, "e4m3", "ue8m0"),
-    (200, 128, "e5m2", "fp32"),   # a token tail (padded to 256 rows inside)
+@pytest.mark.parametrize("m,f,fmt,scale_format,config", [
+    (256, 256, "e4m3", "ue8m0", fused_quantize.FusedConfig(64, True)),
+    # a token tail (padded to 256 rows inside)
+    (200, 128, "e5m2", "fp32", fused_quantize.FusedConfig(128, False)),
 ])
-def test_swiglu_quantize_interpret_bit_identical(m, f, fmt, scale_format):
+def test_swiglu_quantize_interpret_bit_identical(m, f, fmt, scale_format, config):
   gu = _gu(m, f)
   out = kernels.swiglu_quantize(gu, fmt=fmt, scale_format=scale_format, interpret=True,
-                                with_values=True)
+                                with_values=True, config=config)
   ref = kernels.swiglu_quantize_reference(gu, fmt=fmt, scale_format=scale_format)
   assert [o.shape for o in out[:4]] == [(m, f), (m, f // 128), (f, m), (f, -(-m // 128))]
   for o, r in zip(out, ref):
@@ -40,15 +41,15 @@ def test_swiglu_quantize_interpret_bit_identical(m, f, fmt, scale_format):
   assert cpu._bit_equal(out[4], fused_quantize.swiglu_reference(gu))
 
 
-@pytest.mark.parametrize("m,f,fmt,scale_format", [
-    (256, 256, "e4m3", "ue8m0"),
-    (136, 128, "e4m3", "fp32"),
+@pytest.mark.parametrize("m,f,fmt,scale_format,config", [
+    (256, 256, "e4m3", "ue8m0", fused_quantize.FusedConfig(64, True)),
+    (136, 128, "e4m3", "fp32", fused_quantize.FusedConfig(128, False)),
 ])
-def test_swiglu_bwd_quantize_interpret_bit_identical(m, f, fmt, scale_format):
+def test_swiglu_bwd_quantize_interpret_bit_identical(m, f, fmt, scale_format, config):
   gu = _gu(m, f, seed=1)
   dh = jnp.asarray(np.random.default_rng(2).standard_normal((m, f)) * 1e-3, jnp.bfloat16)
   out = kernels.swiglu_bwd_quantize(dh, gu, fmt=fmt, scale_format=scale_format,
-                                    interpret=True, with_values=True)
+                                    interpret=True, with_values=True, config=config)
   ref = kernels.swiglu_bwd_quantize_reference(dh, gu, fmt=fmt, scale_format=scale_format)
   assert [o.shape for o in out[:4]] == [(m, 2 * f), (m, 2 * f // 128), (2 * f, m),
                                         (2 * f, -(-m // 128))]
@@ -83,6 +84,11 @@ def test_swiglu_references_are_the_float64_formulas_rounded_once():
     assert np.max(_bf16_ulps(got, rounded)) <= 1.0
 
 
+def test_fused_config_rejects_bad_values():
+  with pytest.raises(ValueError, match="producer_cols"):
+    fused_quantize.FusedConfig(producer_cols=32)
+
+
 def test_fused_quantize_rejects_bad_input():
   gu = jnp.zeros((128, 512), jnp.bfloat16)
   with pytest.raises(ValueError, match="multiple of 128"):
@@ -96,7 +102,9 @@ def test_fused_quantize_rejects_bad_input():
 
 
 @pytest.mark.parametrize("producer", ["swiglu", "swiglu_bwd"])
-def test_fused_quantize_lowers_for_hopper(producer):
+@pytest.mark.parametrize("config", [fused_quantize.FusedConfig(cols, alias)
+                                    for cols in (64, 128) for alias in (True, False)], ids=str)
+def test_fused_quantize_lowers_for_hopper(producer, config):
   """The 1.5B's MLP (16384 tokens, F = 8960) and a token tail: shared memory fits, every
   primitive lowers, and the kernel carries its name for profiles."""
   for m, f in ((16384, 8960), (1000, 768)):
@@ -105,6 +113,6 @@ def test_fused_quantize_lowers_for_hopper(producer):
       fn, specs = kernels.swiglu_quantize, (gu,)
     else:
       fn, specs = kernels.swiglu_bwd_quantize, (jax.ShapeDtypeStruct((m, f), jnp.bfloat16), gu)
-    text = cpu._lower_on_h100(lambda *a: fn(*a), *specs).as_text()
+    text = cpu._lower_on_h100(lambda *a: fn(*a, config=config), *specs).as_text()
     assert "mosaic_gpu" in text
     assert fused_quantize.fused_kernel_name(producer, -(-m // 128) * 128, f) in text

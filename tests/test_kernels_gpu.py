@@ -216,10 +216,10 @@ def _ulp_mismatch(values, ref):
 
 
 @pytest.mark.parametrize("producer", ["swiglu", "swiglu_bwd"])
-@pytest.mark.parametrize("m,f,fmt,scale_format", [(4096, 1536, "e4m3", "ue8m0"),
-                                                  (1000, 768, "e4m3", "fp32"),
-                                                  (512, 256, "e5m2", "ue8m0")])
-def test_fused_quantize_on_gpu(producer, m, f, fmt, scale_format):
+@pytest.mark.parametrize("m,f,fmt,scale_format,cols,alias", [
+    (4096, 1536, "e4m3", "ue8m0", 64, True), (1000, 768, "e4m3", "fp32", 128, False),
+    (512, 256, "e5m2", "ue8m0", 128, True)])
+def test_fused_quantize_on_gpu(producer, m, f, fmt, scale_format, cols, alias):
   """The fused kernels quantize the values they make exactly as the reference quantizer does
   (bit for bit); those values are XLA's SwiGLU (backward) but for the last f32 bit of exp and
   division: at most one bf16 ulp, in a few entries per million."""
@@ -228,11 +228,14 @@ def test_fused_quantize_on_gpu(producer, m, f, fmt, scale_format):
   gu = _gu(m, f, seed=m)
   dh = jnp.asarray(np.random.default_rng(f).standard_normal((m, f)) * 1e-2, jnp.bfloat16)
   kw = dict(fmt=fmt, scale_format=scale_format)
+  config = fq.FusedConfig(cols, alias)
   if producer == "swiglu":
-    out = jax.jit(lambda g: kernels.swiglu_quantize(g, with_values=True, **kw))(gu)
+    out = jax.jit(lambda g: kernels.swiglu_quantize(g, with_values=True, config=config, **kw))(
+        gu)
     ref_values = jax.jit(fq.swiglu_reference)(gu)
   else:
-    out = jax.jit(lambda d, g: kernels.swiglu_bwd_quantize(d, g, with_values=True, **kw))(dh, gu)
+    out = jax.jit(lambda d, g: kernels.swiglu_bwd_quantize(d, g, with_values=True,
+                                                           config=config, **kw))(dh, gu)
     ref_values = jax.jit(fq.swiglu_bwd_reference)(dh, gu)
   *quantized, values = out
   requant = jax.jit(lambda v: kernels.quantize_tiles_reference(v, with_transpose=True, **kw))(
@@ -261,6 +264,7 @@ def test_fused_mlp_pallas_matches_xla_path_on_gpu():
     results[backend] = jax.jit(lambda *a: (mlp(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(
         x, wg, wu, wd)
   (y_p, g_p), (y_x, g_x) = results["pallas"], results["xla"]
-  assert cpu._rel_err(y_p, np.asarray(y_x, np.float64)) < 1e-2
-  for a, b in zip(g_p, g_x):
-    assert cpu._rel_err(a, np.asarray(b, np.float64)) < 3e-2
+  errors = [cpu._rel_err(a, np.asarray(b, np.float64)) for a, b in zip((y_p, *g_p),
+                                                                      (y_x, *g_x))]
+  print("relative differences y, dx, dWg, dWu, dWd:", errors)
+  assert errors[0] < 1e-2 and max(errors[1:]) < 3e-2, errors

@@ -16,11 +16,14 @@ projections side by side (gate in columns [0, F), up in [F, 2F)), dh [M, F] the 
 SwiGLU's output, dgu [M, 2F] the gradients of gate and up side by side.
 
 Kernel: one CTA per 128x128 block of the output, one warpgroup. Every input block is read
-once by TMA into shared memory; the producer runs on 64-row halves in registers and leaves
-its bf16 outputs in shared memory (over the input buffers it no longer needs); then each
-output is quantized as quantize.py does (rows from a register load, token tiles from a
-transposed load) and written by TMA, its scales K-block-major as the GEMM reads them.
+once by TMA into shared memory; the producer runs on [64, FusedConfig.producer_cols] pieces
+in registers and leaves its bf16 outputs in shared memory (over the input buffers it no
+longer needs); then each output is quantized as quantize.py does (rows from a register load,
+token tiles from a transposed load) and written by TMA, its scales K-block-major as the GEMM
+reads them. With FusedConfig.alias_outputs the fp8 staging buffers share the memory of the
+last input, dead once the producer has run, so more CTAs fit on an SM.
 """
+import dataclasses
 import functools
 
 import jax
@@ -33,6 +36,27 @@ from infir2_jax.precision.kernels.quantize import (
     quantize_tiles_reference, smem_transforms)
 
 FUSED_KERNEL_NAME = "infir2_fused_quantize"
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+  """How the fused kernels run (the numbers are the same whatever is chosen).
+
+  Attributes:
+    producer_cols: width of the [64, cols] pieces the producer computes at a time (128 or
+      64): narrower pieces hold fewer registers per thread (the backward reads three inputs).
+    alias_outputs: put the fp8 staging buffers in the last input's shared memory (a
+      RefUnion), which leaves room for more CTAs per SM.
+  """
+  producer_cols: int = 64
+  alias_outputs: bool = True
+
+  def __post_init__(self):
+    if self.producer_cols not in (64, 128):
+      raise ValueError(f"FusedConfig.producer_cols={self.producer_cols}: must be 64 or 128")
+
+
+DEFAULT_FUSED_CONFIG = FusedConfig()
 
 
 def sigmoid_f32(x):
@@ -87,7 +111,7 @@ def _half_width(gu):
 
 
 def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format,
-                with_values):
+                with_values, config: FusedConfig):
   """One CTA makes one 128x128 block of each of the producer's n_out outputs, quantized.
 
   sources: (input array index, column-block offset) of each producer argument's block.
@@ -103,16 +127,26 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
   dtype = formats.get_format(fmt).dtype
 
   def scoped(*scratch):
-    bufs, (q_smem, qt_smem, s_smem, st_smem, bar) = scratch[:len(sources)], scratch[len(sources):]
+    if config.alias_outputs:
+      *bufs, union, s_smem, st_smem, bar = scratch
+      last, (q_smem, qt_smem) = union  # the last input, then (q, qT) over its memory
+      bufs = (*bufs, last)
+    else:
+      bufs, (q_smem, qt_smem, s_smem, st_smem, bar) = (scratch[:len(sources)],
+                                                       scratch[len(sources):])
     for i, (array, offset) in enumerate(sources):
       plgpu.copy_gmem_to_smem(in_gmem[array].at[rows, pl.ds((offset + ki) * TILE, TILE)],
                               bufs[i], bar.at[i])
     for i in range(len(sources)):
       plgpu.barrier_wait(bar.at[i])
+    cols = config.producer_cols
     for h in range(2):  # the producer; its bf16 outputs replace the first n_out inputs
-      outs = producer(*(load_half(b, h, False) for b in bufs))
-      for b, y in zip(bufs, outs):
-        b[pl.ds(h * HALF, HALF)] = y.astype(jnp.bfloat16)
+      for c in range(TILE // cols):
+        piece = (pl.ds(h * HALF, HALF), pl.ds(c * cols, cols))
+        xs = [plgpu.load(b.at[piece], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+              for b in bufs]
+        for b, y in zip(bufs, producer(*xs)):
+          b[piece] = y.astype(jnp.bfloat16)
     plgpu.commit_smem()
     for j in range(n_out):
       if j:  # the previous output's TMA stores must have read q_smem / qt_smem
@@ -133,11 +167,14 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
     plgpu.wait_smem_to_gmem(0)
 
   bf16 = jnp.bfloat16
+  block = lambda t: plgpu.SMEM((TILE, TILE), t, transforms=smem_transforms(t))
+  staging = [block(dtype), block(dtype)]
+  inputs = [block(bf16) for _ in sources]
+  if config.alias_outputs:
+    inputs[-1] = plgpu.RefUnion(inputs[-1], staging)
+    staging = []
   pl.run_scoped(
-      scoped,
-      *(plgpu.SMEM((TILE, TILE), bf16, transforms=smem_transforms(bf16)) for _ in sources),
-      plgpu.SMEM((TILE, TILE), dtype, transforms=smem_transforms(dtype)),
-      plgpu.SMEM((TILE, TILE), dtype, transforms=smem_transforms(dtype)),
+      scoped, *inputs, *staging,
       plgpu.SMEM((1, TILE), jnp.float32),
       plgpu.SMEM((1, TILE), jnp.float32),
       plgpu.Barrier(num_barriers=len(sources)),
@@ -154,7 +191,7 @@ PRODUCERS = {"swiglu": (swiglu_f32, 1), "swiglu_bwd": (swiglu_bwd_f32, 2)}
 
 @functools.lru_cache(maxsize=None)
 def _fused_kernel(producer: str, in_shapes, sources, m: int, f: int, fmt, scale_format,
-                  interpret, with_values=False):
+                  interpret, with_values, config: FusedConfig):
   """The jitted kernel of one static signature, built once (lowered once per program)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   fn, n_out = PRODUCERS[producer]
@@ -168,7 +205,7 @@ def _fused_kernel(producer: str, in_shapes, sources, m: int, f: int, fmt, scale_
     out_type += (jax.ShapeDtypeStruct((m, width), jnp.bfloat16),)
   body = functools.partial(_fused_body, producer=fn, sources=sources, n_arrays=len(in_shapes),
                            n_out=n_out, fb=fb, fmt=fmt, scale_format=scale_format,
-                           with_values=with_values)
+                           with_values=with_values, config=config)
   return jax.jit(plgpu.kernel(
       body, out_type=out_type, grid=(mb, fb), grid_names=("m", "k"),
       kernel_name=fused_kernel_name(producer, m, f),
@@ -176,7 +213,7 @@ def _fused_kernel(producer: str, in_shapes, sources, m: int, f: int, fmt, scale_
   ))
 
 
-def _run(producer, arrays, sources, f, fmt, scale_format, interpret, with_values=False):
+def _run(producer, arrays, sources, f, fmt, scale_format, interpret, with_values, config):
   """Pads the token axis to whole tiles, runs the kernel, returns the contract's layouts
   (and, with_values, the bf16 values it quantized)."""
   formats.get_format(fmt)
@@ -191,23 +228,26 @@ def _run(producer, arrays, sources, f, fmt, scale_format, interpret, with_values
   mp = -(-m // TILE) * TILE
   if mp != m:  # zero rows quantize to zero and are sliced off
     arrays = [jnp.pad(a, ((0, mp - m), (0, 0))) for a in arrays]
+  if len(sources) <= PRODUCERS[producer][1] and config.alias_outputs:
+    raise ValueError(f"{producer}: alias_outputs needs an input that dies with the producer")
   kernel = _fused_kernel(producer, tuple(a.shape for a in arrays), sources, mp, f, fmt,
-                         scale_format, interpret, with_values)
+                         scale_format, interpret, with_values, config)
   q, s_KbxM, qt, st_MbxK, *values = kernel(*arrays)
   return (q[:m], s_KbxM.T[:m], qt[:, :m], st_MbxK.T, *(v[:m] for v in values))
 
 
 def swiglu_quantize(gu_Mx2F, *, fmt="e4m3", scale_format="ue8m0", interpret=False,
-                    with_values=False):
+                    with_values=False, config: FusedConfig = DEFAULT_FUSED_CONFIG):
   """swiglu_quantize_reference(gu) in one pass over gu: (q, s, qT, sT) of h [M, F]
   (with_values: and h itself, as the kernel computed it)."""
   f = _half_width(gu_Mx2F)
   return _run("swiglu", [gu_Mx2F], ((0, 0), (0, f // TILE)), f, fmt, scale_format, interpret,
-              with_values)
+              with_values, config)
 
 
 def swiglu_bwd_quantize(dh_MxF, gu_Mx2F, *, fmt="e4m3", scale_format="ue8m0",
-                        interpret=False, with_values=False):
+                        interpret=False, with_values=False,
+                        config: FusedConfig = DEFAULT_FUSED_CONFIG):
   """swiglu_bwd_quantize_reference(dh, gu) in one pass: (q, s, qT, sT) of dgu [M, 2F]
   (with_values: and dgu itself, as the kernel computed it)."""
   f = _half_width(gu_Mx2F)
@@ -215,5 +255,5 @@ def swiglu_bwd_quantize(dh_MxF, gu_Mx2F, *, fmt="e4m3", scale_format="ue8m0",
     raise ValueError(f"dh.shape={dh_MxF.shape} does not match gu.shape={gu_Mx2F.shape} "
                      f"(expected {(gu_Mx2F.shape[0], f)})")
   return _run("swiglu_bwd", [dh_MxF, gu_Mx2F], ((0, 0), (1, 0), (1, f // TILE)), f, fmt,
-              scale_format, interpret, with_values)
+              scale_format, interpret, with_values, config)
 
