@@ -7,6 +7,7 @@
 #        profiled, compiled HLO kept for attributing the profile's fusions),
 #        fused2 (the fused kernels' configs with ptxas' register report, the fused MLP's
 #        GPU test, then 1.5B at 2 x 8192: infir2 and bf16, scanned and unrolled layers),
+#        pair (1.5B at 2 x 8192: infir2 and bf16 only, profiled: the short re-measure),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
@@ -53,6 +54,11 @@ elif [[ $STAGE == fused2 ]]; then
     --seq_lens=8192 "${COMMON[@]}" --override=steps=30 --steps=24 --variant_timeout_s=260 \
     --deadline_s="$DEADLINE" --profile_dir=/tmp/prof \
     --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -45
+elif [[ $STAGE == pair ]]; then
+  timeout $((DEADLINE + 200)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
+    --recipes=infir2,bf16 --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 \
+    --variant_timeout_s=200 --deadline_s="$DEADLINE" --profile_dir=/tmp/prof \
+    --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -30
 elif [[ $STAGE == 7b ]]; then
   timeout $((DEADLINE + 230)) python3 benchmarks/train_step.py --config=configs/7b.py \
     --recipes=bf16,infir2~opt.moments=fp8,infir2,infir2~opt.moments=bf16 \

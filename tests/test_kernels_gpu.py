@@ -249,7 +249,8 @@ def test_fused_quantize_on_gpu(producer, m, f, fmt, scale_format, cols, alias):
 
 def test_fused_mlp_pallas_matches_xla_path_on_gpu():
   """The fused MLP's kernel path against its XLA path (the kernels' references) on the same
-  operands: the forward within bf16 rounding, gradients within FP8's flip noise."""
+  operands: y and every gradient closer to each other than either is to BF16 (FP8's own
+  error), by a margin: the two differ only where rounding flips a quantized value."""
   from infir2_jax.precision import make_gated_mlp
   k = jax.random.split(jax.random.key(3), 5)
   m, d, f = 4096, 1536, 4480
@@ -257,14 +258,17 @@ def test_fused_mlp_pallas_matches_xla_path_on_gpu():
   wg, wu = (jax.random.normal(kk, (d, f), jnp.bfloat16) * 0.03 for kk in k[1:3])
   wd = jax.random.normal(k[3], (f, d), jnp.bfloat16) * 0.03
   ct = jax.random.normal(k[4], (m, d), jnp.float32)
+  from infir2_jax.precision import swiglu
+  bf16 = lambda x, wg, wu, wd: swiglu(x @ wg, x @ wu) @ wd
   results = {}
-  for backend in ("pallas", "xla"):
-    mlp = make_gated_mlp("infir2", backend=backend)
-    loss = lambda *a: jnp.sum(mlp(*a).astype(jnp.float32) * ct)
-    results[backend] = jax.jit(lambda *a: (mlp(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(
-        x, wg, wu, wd)
-  (y_p, g_p), (y_x, g_x) = results["pallas"], results["xla"]
-  errors = [cpu._rel_err(a, np.asarray(b, np.float64)) for a, b in zip((y_p, *g_p),
-                                                                      (y_x, *g_x))]
-  print("relative differences y, dx, dWg, dWu, dWd:", errors)
-  assert errors[0] < 1e-2 and max(errors[1:]) < 3e-2, errors
+  for name, mlp in (("pallas", make_gated_mlp("infir2", backend="pallas")),
+                    ("xla", make_gated_mlp("infir2", backend="xla")), ("bf16", bf16)):
+    loss = lambda *a, mlp=mlp: jnp.sum(mlp(*a).astype(jnp.float32) * ct)
+    results[name] = jax.jit(lambda *a, mlp=mlp, loss=loss: (
+        mlp(*a), *jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(x, wg, wu, wd)
+  between = [cpu._rel_err(a, np.asarray(b, np.float64))
+             for a, b in zip(results["pallas"], results["xla"])]
+  fp8 = [cpu._rel_err(a, np.asarray(b, np.float64))
+         for a, b in zip(results["xla"], results["bf16"])]
+  print("pallas vs xla (y, dx, dWg, dWu, dWd):", between, "xla vs bf16:", fp8)
+  assert all(b < 0.5 * f for b, f in zip(between, fp8)), (between, fp8)

@@ -11,9 +11,9 @@
                                                           quantization of dgate and dup
             dx = dgu . [Wg | Wu]^T                        ONE dgrad GEMM over K = 2F
             d[Wg | Wu] = dgu^T . x^T                      ONE wgrad GEMM
-No bf16 h, dgate or dup is ever written to memory on Hopper (kernels.swiglu_quantize,
-kernels.swiglu_bwd_quantize); elsewhere the same numbers come from XLA (the kernels'
-references). Numerics against the three-projection composition: every quantized operand is
+On Hopper no bf16 h is ever written to memory (kernels.swiglu_quantize); the backward
+computes dgu with XLA and quantizes it in one kernels.quantize_tiles call (FUSED_BACKWARD
+says why); elsewhere the same numbers come from XLA (the kernels' references). Numerics against the three-projection composition: every quantized operand is
 identical (F is a multiple of 128, so no tile or block straddles gate and up); dx sums the
 gate and up halves in one f32 accumulator instead of adding two bf16 products.
 
@@ -40,6 +40,11 @@ from infir2_jax.precision.quantize import QTensor, resolve_tile
 from infir2_jax.precision.recipes import Recipe, get_recipe
 
 TILE = 128
+# kernels.swiglu_bwd_quantize (SwiGLU's backward fused with dgu's quantization) runs 3.4x
+# slower on the H200 than XLA's SwiGLU backward followed by one quantize_tiles of dgu (2452
+# vs 717 us at 16384 x 8960, whatever its FusedConfig; no register spills), so the backward
+# takes the separate passes until the kernel is faster (benchmarks/NOTES_kernels.md).
+FUSED_BACKWARD = False
 
 
 def supports(recipe: "Recipe | str") -> bool:
@@ -105,7 +110,7 @@ def _swiglu_tiles(gp: GemmPlan, gu, spec, spec_t):
 def _swiglu_bwd_tiles(gp: GemmPlan, dh, gu, spec, spec_t):
   """(dgu per spec, dgu^T per spec_t) of dgu = [dgate | dup]; fused on Hopper."""
   kernels = quantizer_kernels(gp, dh, spec, spec_t, tile=(1, TILE))
-  if kernels is None or gu.dtype != dh.dtype:
+  if kernels is None or gu.dtype != dh.dtype or not FUSED_BACKWARD:
     return quantize_rows(gp, fused_quantize.swiglu_bwd_reference(dh, gu), spec, spec_t)
   return _tiles(kernels.swiglu_bwd_quantize(dh, gu, fmt=spec.fmt,
                                                 scale_format=spec.scale_format),
