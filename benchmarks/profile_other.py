@@ -47,7 +47,16 @@ def op_names(hlo_text: str) -> dict[str, str]:
   return out
 
 
-def group_of(name: str, op_name: str) -> str:
+def group_of(name: str, op_name: str, type_text: str = "") -> str:
+  """The model part a kernel belongs to: first by what it writes (the AdamW update writes
+  param, mu and nu: three equal float32 arrays; the loss writes [rows, length, vocab]
+  arrays), then by its op_name."""
+  shapes = re.findall(r"(\w+\[[\d,]*\])", type_text)
+  if len(shapes) >= 3 and len(set(shapes)) == 1 and shapes[0].startswith("f32"):
+    return "optimizer update"
+  if any(len(dims.split(",")) == 3 and int(dims.split(",")[-1]) >= 32768
+         for dims in re.findall(r"\[([\d,]+)\]", type_text)):
+    return "loss and logits"
   text = f"{op_name} {name}"
   for group, pattern in GROUPS:
     if re.search(pattern, text, re.I):
@@ -76,7 +85,8 @@ def analyze(variant: dict, hlo_text: str, top: int) -> dict:
     op_name = names.get(kernel) or (names.get(re.sub(r"(_\d+)?$", "", kernel)) or "")
     row = {"kernel": kernel, "kind": kind, "calls": calls, "ms": ms,
            "bytes_per_call": per_call, "op_name": op_name[-160:],
-           "group": group_of(kernel, op_name) if kind == "other" else kind}
+           "group": (group_of(kernel, op_name, entry["type"] if entry else "")
+                     if kind == "other" else kind)}
     if per_call:
       total = per_call * calls
       row["gb"] = total / 1e9

@@ -60,3 +60,52 @@ def test_summary_by_kind_and_in_step_gemm_rates(tmp_path):
 
 def test_missing_trace_is_reported(tmp_path):
   assert "no trace" in profile_summary.summarize_trace(str(tmp_path))["error"]
+
+
+HLO = """
+%fused_slice (param_0: bf16[8,1024,512], param_1: s32[]) -> bf16[1024,512] {
+  %param_0 = bf16[8,1024,512]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %dynamic-slice.1 = bf16[1,1024,512]{2,1,0} dynamic-slice(%param_0, %param_1, %c, %c), dynamic_slice_sizes={1,1024,512}
+  ROOT %bitcast.1 = bf16[1024,512]{1,0} bitcast(%dynamic-slice.1)
+}
+
+ENTRY %main (x: bf16[1024,512], stack: bf16[8,1024,512], i: s32[]) -> (f32[1024], bf16[8,1024,512]) {
+  %x = bf16[1024,512]{1,0} parameter(0)
+  %stack = bf16[8,1024,512]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %input_reduce_fusion.3 = f32[1024]{0} fusion(%stack, %i), kind=kInput, calls=%fused_slice, metadata={op_name="jit(f)/Qwen2/layers/input_layernorm/reduce_sum"}
+  %loop_dynamic_update_slice_fusion = bf16[8,1024,512]{2,1,0} fusion(%stack, %x, %i), kind=kLoop, calls=%fused_dus
+  %loop_add_fusion.2 = (f32[512,512]{1,0}, f32[512,512]{1,0}, f32[512,512]{1,0}) fusion(%x, %x), kind=kLoop, calls=%fused_adam
+  ROOT %t = (f32[1024]{0}, bf16[8,1024,512]{2,1,0}) tuple(%input_reduce_fusion.3, %loop_dynamic_update_slice_fusion)
+}
+"""
+
+
+def test_hlo_bytes_counts_what_each_kernel_touches():
+  from infir2_jax.bench.hlo_bytes import instruction_bytes
+  sizes = instruction_bytes(HLO)
+  layer = 1024 * 512 * 2
+  # the stack through its dynamic-slice only (one layer), the index, the f32 result
+  assert sizes["input_reduce_fusion_3"]["bytes"] == layer + 4 + 1024 * 4
+  # in place: the update read and written, not the stacked buffer
+  assert sizes["loop_dynamic_update_slice_fusion"]["bytes"] == 2 * (layer + 4)
+  # a loop fusion reads no operand beyond its result's size
+  assert sizes["loop_add_fusion_2"]["bytes"] == 3 * 512 * 512 * 4 + 2 * layer
+
+
+def test_profile_other_groups_kernels_by_what_they_write():
+  import importlib.util, os
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "benchmarks", "profile_other.py")
+  spec = importlib.util.spec_from_file_location("profile_other", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  assert module.group_of("loop_add_fusion_2", "jit(train_step)/add",
+                         "(f32[512,512]{1,0}, f32[512,512]{1,0}, f32[512,512]{1,0})") == (
+                             "optimizer update")
+  assert module.group_of("loop_multiply_fusion", "jit(train_step)/mul",
+                         "f32[2,8192,151936]{2,1,0}") == "loss and logits"
+  assert module.group_of("input_reduce_fusion_3", module.op_names(HLO)["input_reduce_fusion_3"],
+                         "f32[1024]{0}") == "norms"

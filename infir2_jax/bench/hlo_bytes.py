@@ -125,5 +125,5 @@ def instruction_bytes(hlo_text: str) -> dict[str, dict]:
       if kind == "kLoop":
         operand_bytes = [min(b, result) for b in operand_bytes]
       total = result + sum(operand_bytes)
-    out[kernel_name(name)] = {"bytes": total, "op": op, "kind": kind, "type": type_text[:120]}
+    out[kernel_name(name)] = {"bytes": total, "op": op, "kind": kind, "type": type_text[:300]}
   return out
