@@ -182,13 +182,42 @@ def test_weights_from_a_run_or_its_fp8_export_are_named(fp8_run, tmp_path, capsy
     assert first == pytest.approx(source_eval, rel=tolerance), key
 
 
+def _text_file(path, words=3000):
+  vocab = "to be or not that is the question whether tis nobler in mind suffer".split()
+  path.write_text(" ".join(vocab[(i * 7) % len(vocab)] for i in range(words)))
+  return str(path)
+
+
 def test_no_validation_split_is_an_error_before_any_model_work(tmp_path, monkeypatch):
+  """A prepared corpus without validation documents, with validation asked for."""
+  from infir2_jax.data import prepare
+  prepare.run(prepare.parse_args([f"--source={_text_file(tmp_path / 'a.txt')}",
+                                  f"--out={tmp_path / 'prep'}", "--val_fraction=0",
+                                  "--no-progress", "--workers=1"]))
+
   def must_not_run(*args, **kwargs):
     raise AssertionError("the model was set up before the data check")
   monkeypatch.setattr(parallel, "abstract_state", must_not_run)
   monkeypatch.setattr(parallel, "sharded_init", must_not_run)
-  with pytest.raises(ValueError, match="there is no validation split"):
-    train(tiny_config(**{"data.val_fraction": 0.0}), str(tmp_path))
+  with pytest.raises(ValueError, match="has no validation documents"):
+    train(tiny_config(**{"data.source": str(tmp_path / "prep")}), str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()   # a failed start leaves no run directory behind
+
+
+def test_a_single_text_file_trains_with_one_change(tmp_path, capsys):
+  """One .txt is one document: no validation split by document. The error names the one
+  change that makes it train (data.val_fraction=0), and that change turns evaluation off."""
+  source = _text_file(tmp_path / "notes.txt")
+  with pytest.raises(ValueError, match=r"set --config.data.val_fraction=0 \(train without "
+                     "validation: evaluation is then off\)"):
+    train(tiny_config(**{"data.source": source}), str(tmp_path / "first"))
+  train(tiny_config(**{"data.source": source, "data.val_fraction": 0.0, "steps": 2,
+                       "log.progress_bar": False}), str(tmp_path / "second"))
+  assert "note: data.val_fraction=0 (and no data.val_source): no validation split, so no " \
+      "evaluation" in capsys.readouterr().out
+  records = read_metrics(str(tmp_path / "second"))
+  assert [m["step"] for m in records if "loss" in m] == [1, 2]
+  assert not any("eval_loss" in m for m in records)
 
 
 def _no_allocation(monkeypatch):

@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 
 from infir2_jax.config import CheckpointConfig
 from infir2_jax.data import checkpoint as data_checkpoint
+from infir2_jax.errors import UserError
 from infir2_jax.train import integrity, rundir
 
 
@@ -38,11 +39,11 @@ class _NoItemMetadataWarning(logging.Filter):
 logging.getLogger("absl").addFilter(_NoItemMetadataWarning())
 
 
-class DiskFullError(OSError):
+class DiskFullError(UserError, OSError):
   """A checkpoint that does not fit on its disk; the message names the directory and sizes."""
 
 
-class NoRestorableCheckpoint(RuntimeError):
+class NoRestorableCheckpoint(UserError, RuntimeError):
   """Every checkpoint of a run failed to restore (each was moved aside)."""
 
 

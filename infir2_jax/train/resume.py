@@ -14,6 +14,7 @@ from typing import Any
 import ml_collections
 
 from infir2_jax.config import TrainConfig
+from infir2_jax.errors import ConfigError
 from infir2_jax.train import rundir
 
 # Read only for a new run: a resumed run's state comes from its checkpoint.
@@ -23,7 +24,7 @@ _DATA_STREAM = ("seed", "batch_size", "seq_len", "data.")
 _NOT_DATA_STREAM = ("data.num_workers", "data.prefetch", "data.cache_dir")
 
 
-class ResumeConfigError(ValueError):
+class ResumeConfigError(ConfigError):
   """The config cannot resume the run's checkpoints (the train state has another shape)."""
 
 

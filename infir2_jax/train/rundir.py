@@ -18,6 +18,8 @@ import os
 import shutil
 from typing import Any
 
+from infir2_jax.errors import ConfigError, NotFound
+
 CONFIG_FILE = "config.json"
 CONFIG_CHANGES_FILE = "config_changes.jsonl"
 METRICS_FILE = "metrics.jsonl"
@@ -65,8 +67,8 @@ def read_config(workdir: str):
   from infir2_jax.config import TrainConfig  # pylint: disable=g-import-not-at-top
   values = config_dict(workdir)
   if values is None:
-    raise FileNotFoundError(f"{os.path.join(workdir, CONFIG_FILE)} not found: is {workdir} "
-                            "a run directory?")
+    raise NotFound(f"{os.path.join(workdir, CONFIG_FILE)} not found: is {workdir} "
+                   "a run directory?")
   return TrainConfig.from_config_dict(ml_collections.ConfigDict(values))
 
 
@@ -123,6 +125,33 @@ def remove_tmp_leftovers(workdir: str) -> list[str]:
   return removed
 
 
+def missing_root(workdir: str) -> str | None:
+  """The outermost folder of `workdir`'s path that does not exist yet (None: it exists)."""
+  path, root = os.path.abspath(workdir), None
+  while not os.path.exists(path):
+    root, path = path, os.path.dirname(path)
+  return root
+
+
+def remove_unused(workdir: str, created: str | None) -> bool:
+  """After a failed start in a new (or empty) workdir: removes what the start created, unless
+  a run wrote something there (a committed checkpoint, a metrics row). `created` is the
+  folder missing_root() named before the start (None: workdir existed, empty; only its
+  contents go). Returns whether anything was removed."""
+  if not os.path.isdir(workdir) or checkpoint_steps(workdir):
+    return False
+  metrics = os.path.join(workdir, METRICS_FILE)
+  if os.path.exists(metrics) and os.path.getsize(metrics):
+    return False
+  if created is not None:
+    shutil.rmtree(created, ignore_errors=True)
+  else:
+    for name in os.listdir(workdir):
+      path = os.path.join(workdir, name)
+      shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+  return True
+
+
 def damaged_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), DAMAGED_DIR)
 
@@ -148,12 +177,12 @@ def checkpoint_item(workdir: str, step: int | None = None,
   """(WORKDIR/checkpoints/<step>/<item>, step); step None = the latest."""
   steps = checkpoint_steps(workdir)
   if not steps:
-    raise FileNotFoundError(f"no checkpoints in {checkpoints_dir(workdir)}")
+    raise NotFound(f"no checkpoints in {checkpoints_dir(workdir)}")
   if step is None:
     step = steps[-1]
   elif step not in steps:
-    raise ValueError(f"step {step} is not a checkpoint in {checkpoints_dir(workdir)}; "
-                     f"available: {steps}")
+    raise ConfigError(f"step {step} is not a checkpoint in {checkpoints_dir(workdir)}; "
+                      f"available: {steps}")
   return os.path.join(checkpoints_dir(workdir), str(step), item), step
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from infir2_jax.config import TrainConfig
 from infir2_jax.data import packing
+from infir2_jax.errors import DataError
 from infir2_jax.model import projections
 from infir2_jax.precision import gemm, resolve_recipe
 from infir2_jax.train import rundir
@@ -55,14 +56,19 @@ def eval_batch_count(cfg: TrainConfig, data, log=print) -> int:
   """Validation batches per evaluation: eval.batches, or all there are when fewer (said so).
 
   A config written for a large corpus (configs/1p5b.py asks for 8) still runs on a small
-  one; 0 evaluations are asked for when eval.every_steps is 0.
+  one; 0 evaluations are asked for when eval.every_steps is 0, and when data.val_fraction=0
+  without data.val_source asked for no validation split (one change turns validation off).
   """
   if cfg.eval.every_steps <= 0:
     return 0
   available = data.num_eval_batches()
+  if available == 0 and cfg.data.val_fraction == 0 and not cfg.data.val_source:
+    log("note: data.val_fraction=0 (and no data.val_source): no validation split, so no "
+        "evaluation (eval.every_steps is ignored)")
+    return 0
   if available == 0:
-    raise ValueError("eval.every_steps > 0 but there is no validation split: set "
-                     "data.val_fraction > 0 or data.val_source, or --config.eval.every_steps=0")
+    raise DataError("eval.every_steps > 0 but there is no validation split: set "
+                    "data.val_fraction > 0 or data.val_source, or --config.eval.every_steps=0")
   wanted = cfg.eval.batches if cfg.eval.batches > 0 else available
   if wanted > available:
     log(f"note: eval.batches={wanted} but the validation split has {available} batch(es) of "

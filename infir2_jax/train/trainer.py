@@ -17,6 +17,7 @@ import numpy as np
 from infir2_jax import parallel
 from infir2_jax.config import TrainConfig
 from infir2_jax.data import make_data
+from infir2_jax.errors import ConfigError, UserError
 from infir2_jax.model import Qwen2, init_params, projections
 from infir2_jax.model.attention import check_documents, uses_packed_documents
 from infir2_jax.precision import make_dot_general_factory, telemetry
@@ -27,7 +28,7 @@ from infir2_jax.train.optim import make_optimizer, make_schedule
 from infir2_jax.train.step import make_eval_step, make_train_step
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(UserError, FloatingPointError):
   """Raised when a step's loss, gradient norm or new state is NaN/Inf; that state is never
   saved."""
 
@@ -79,9 +80,9 @@ def _placement(cfg: TrainConfig) -> _Placement:
   batch_shards = parallel.ways(mesh, parallel.mesh_axes_of(rules, "batch"))
   micro_batch = cfg.batch_size // cfg.grad_accum_steps
   if micro_batch % batch_shards:
-    raise ValueError(f"batch_size={cfg.batch_size} / grad_accum_steps={cfg.grad_accum_steps} = "
-                     f"{micro_batch} rows per micro-batch cannot be split over the "
-                     f"{batch_shards} batch shards of mesh {dict(mesh.shape)}")
+    raise ConfigError(f"batch_size={cfg.batch_size} / grad_accum_steps={cfg.grad_accum_steps} = "
+                      f"{micro_batch} rows per micro-batch cannot be split over the "
+                      f"{batch_shards} batch shards of mesh {dict(mesh.shape)}")
   parallel.check_fp8_alignment(projections(cfg.model), mesh, rules, cfg.precision,
                                batch_rows=micro_batch, seq_len=cfg.seq_len,
                                mode=cfg.mesh.fp8_alignment)
@@ -97,8 +98,8 @@ def _make_data(cfg: TrainConfig, place: _Placement):
   data = make_data(cfg.data, seq_len=cfg.seq_len, global_batch_size=cfg.batch_size,
                    seed=cfg.seed, process_index=data_index, process_count=data_count)
   if data.vocab_size > cfg.model.vocab_size:
-    raise ValueError(f"the tokenizer has {data.vocab_size} tokens but model.vocab_size is "
-                     f"{cfg.model.vocab_size}; raise model.vocab_size")
+    raise ConfigError(f"the tokenizer has {data.vocab_size} tokens but model.vocab_size is "
+                      f"{cfg.model.vocab_size}; raise model.vocab_size")
   return data
 
 
@@ -145,8 +146,17 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   One trainer per workdir (train/runlock.py). SIGTERM and SIGINT save a checkpoint at the
   next step and raise preemption.Preempted (a SystemExit).
   """
-  with runlock.hold(workdir):
-    return _train(cfg, workdir)
+  created = rundir.missing_root(workdir)
+  fresh = created is not None or not os.listdir(workdir)
+  try:
+    with runlock.hold(workdir):
+      return _train(cfg, workdir)
+  except BaseException:
+    # A start that failed (a config or data error, an interrupted compile) leaves no run
+    # directory holding only its lock file; one that trained keeps what it wrote.
+    if fresh and jax.process_index() == 0:
+      rundir.remove_unused(workdir, created)
+    raise
 
 
 def _eval_sets(cfg: TrainConfig, data, place, num_eval: int) -> dict[str, list]:
