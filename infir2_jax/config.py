@@ -59,6 +59,14 @@ class OptConfig:
   eps: float = 1e-8                # Adam denominator epsilon, > 0 (0 gives 0/0 = NaN)
   weight_decay: float = 0.1        # decoupled; never applied to norms or biases
   clip_norm: float = 1.0           # global-norm clipping (0 = off)
+  # The run length the schedule's warm-up and decay are laid out for (0 = steps); steps past
+  # it train at the final lr. A resume that raises `steps` after the decay has begun keeps
+  # the run's own here, so its lr goes on where it was (train/continuation.py).
+  schedule_steps: int = 0
+  # wsd, on a resume that raises `steps` after the decay has begun: restart from the
+  # checkpoint saved where the decay began (the trainer keeps it) and decay at the new end,
+  # instead of going on at the final lr.
+  rewind_to_stable: bool = False
   # Adam's stored moments: "fp32" (optax.adamw) | "bf16" (4 bytes/param, not 8) | "fp8" (E4M3
   # with per-128-group scales and range expansion, ~2.1 bytes/param); train/moments.py.
   # The update is computed in float32 either way; master weights stay in model.param_dtype.
@@ -76,6 +84,7 @@ class OptConfig:
     check_range("opt.eps", self.eps, 0.0, lo_open=True)
     check_range("opt.weight_decay", self.weight_decay, 0.0)
     check_range("opt.clip_norm", self.clip_norm, 0.0)
+    check_range("opt.schedule_steps", self.schedule_steps, 0)
     if self.moments not in ("fp32", "bf16", "fp8"):
       raise ConfigError(f"opt.moments={self.moments!r}; valid: 'fp32', 'bf16', 'fp8'")
 

@@ -10,6 +10,9 @@
   WORKDIR/checkpoints/<step>/data    the data iterator's state (grain)
   WORKDIR/checkpoints/<step>/checksums.json   sha256 of each file of the step (integrity.py)
   WORKDIR/checkpoints_damaged/<step>  checkpoints that failed to restore, moved aside
+  WORKDIR/checkpoints_rewound/<step>  checkpoints after the one a continued run restarted
+                                     from (opt.rewind_to_stable), moved aside
+  WORKDIR/profile/                   traces of the steps profile.* asked for (jax.profiler)
   WORKDIR/.lock                      held (flock) by the trainer of the run: pid and host
 """
 
@@ -28,6 +31,8 @@ SUPERSEDED_METRICS_FILE = "metrics_superseded.jsonl"
 TENSORBOARD_DIR = "tb"
 CHECKPOINTS_DIR = "checkpoints"
 DAMAGED_DIR = "checkpoints_damaged"
+REWOUND_DIR = "checkpoints_rewound"
+PROFILE_DIR = "profile"
 LOCK_FILE = ".lock"
 STATE_ITEM = "state"   # orbax item names inside a checkpoint step
 DATA_ITEM = "data"
@@ -159,6 +164,16 @@ def damaged_dir(workdir: str) -> str:
 def damaged_path(workdir: str, step: int) -> str:
   """A free name for checkpoint `step` under checkpoints_damaged/: <step>, <step>-1, ..."""
   base = os.path.join(damaged_dir(workdir), str(step))
+  path, n = base, 0
+  while os.path.exists(path):
+    n += 1
+    path = f"{base}-{n}"
+  return path
+
+
+def rewound_path(workdir: str, step: int) -> str:
+  """A free name for checkpoint `step` under checkpoints_rewound/: <step>, <step>-1, ..."""
+  base = os.path.join(os.path.abspath(workdir), REWOUND_DIR, str(step))
   path, n = base, 0
   while os.path.exists(path):
     n += 1

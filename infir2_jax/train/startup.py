@@ -20,7 +20,7 @@ from infir2_jax.data import packing
 from infir2_jax.errors import DataError
 from infir2_jax.model import projections
 from infir2_jax.precision import gemm, resolve_recipe
-from infir2_jax.train import rundir
+from infir2_jax.train import continuation, rundir
 
 # How the compiled HLO names a Pallas Mosaic GPU kernel call.
 MOSAIC_GPU_CALL = 'custom_call_target="mosaic_gpu'
@@ -169,6 +169,6 @@ def closing_summary(cfg: TrainConfig, workdir: str, last: dict, *, start_step: i
            f"  python -m infir2_jax.export --workdir={wd} --out={wd}/hf [--fp8]"]
   if cfg.data.format == "chat":
     lines.append(f"  python -m infir2_jax.inference.evaluate --workdir={wd} --limit=16")
-  lines.append(f"  the same command with --config.steps={2 * cfg.steps} continues this run")
+  lines.append(continuation.next_run_hint(cfg, workdir))
   logging.info("%s", " | ".join(lines))
   return "\n".join(lines)

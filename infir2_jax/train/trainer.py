@@ -21,10 +21,11 @@ from infir2_jax.errors import ConfigError, UserError
 from infir2_jax.model import Qwen2, init_params, projections
 from infir2_jax.model.attention import check_documents, uses_packed_documents
 from infir2_jax.precision import make_dot_general_factory, telemetry
-from infir2_jax.train import preemption, preflight, resume, rundir, runlock, startup
+from infir2_jax.train import (continuation, preemption, preflight, resume, rundir, runlock,
+                              startup)
 from infir2_jax.train.checkpoint import Checkpointer, all_finite, restore_params
 from infir2_jax.train.metrics import MetricsWriter, peak_flops_per_device
-from infir2_jax.train.optim import make_optimizer, make_schedule
+from infir2_jax.train.optim import make_optimizer, make_schedule, stable_end
 from infir2_jax.train.step import make_eval_step, make_train_step
 
 
@@ -171,9 +172,25 @@ def _eval_sets(cfg: TrainConfig, data, place, num_eval: int) -> dict[str, list]:
           for name, batches in sets.items()}
 
 
+def _continue(cfg: TrainConfig, workdir: str) -> TrainConfig:
+  """cfg with the schedule a resume with other steps trains with (train/continuation.py);
+  prints what it decided, and moves aside the checkpoints a rewind skips."""
+  plan = continuation.plan(cfg, workdir)
+  for note in plan.notes:
+    _print0(note)
+  if plan.rewind_to is not None:
+    if jax.process_index() == 0:
+      continuation.rewind(workdir, plan.rewind_to)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices("infir2_rewind")
+  return plan.cfg
+
+
 def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   os.makedirs(workdir, exist_ok=True)
   clock = startup.PhaseClock()
+  cfg = _continue(cfg, workdir)   # before the optimizer: the schedule is compiled in
   with clock.phase("config checks"):
     place = _placement(cfg)
   with clock.phase("data"):
@@ -193,7 +210,8 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   steps, memory = _compile_steps(cfg, model, optimizer, schedule, structs, shardings, place,
                                  data.special.pad, budget, clock)
 
-  checkpointer = Checkpointer(workdir, cfg.checkpoint, owner=True)
+  checkpointer = Checkpointer(workdir, cfg.checkpoint, owner=True,
+                              keep_steps=_decay_start_checkpoint(cfg))
   train_iter = iter(data.train)
   restoring = bool(rundir.checkpoint_steps(workdir))
   with clock.phase("restore") if restoring else contextlib.nullcontext():
@@ -223,6 +241,15 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   _print0(startup.closing_summary(cfg, workdir, last, start_step=start_step,
                                   wall_s=clock.elapsed(), startup_s=clock.startup_s))
   return last
+
+
+def _decay_start_checkpoint(cfg: TrainConfig) -> tuple[int, ...]:
+  """(the step of the run's last scheduled checkpoint before its wsd decay,) or ()."""
+  end, every = stable_end(cfg.opt, cfg.steps), cfg.checkpoint.every_steps
+  if cfg.opt.schedule != "wsd" or end is None or every <= 0 or end >= cfg.steps:
+    return ()
+  last = end // every * every
+  return (last,) if last > 0 else ()
 
 
 def _print0(message: str) -> None:
