@@ -19,6 +19,7 @@ def get_config(variant: str | None = None):
     config.checkpoint.every_steps = 10
     config.eval.every_steps = 10
     config.eval.batches = 2
+    config.opt.warmup_steps = 5        # a quarter of the run (the default 30 would not fit)
   elif variant:
     raise ConfigError(f"unknown variant {variant!r} of configs/default.py; valid: 'smoke'")
   return config
