@@ -2,7 +2,7 @@
 
 The model, data, precision and mesh sections are owned by their packages (ModelConfig,
 DataConfig, PrecisionConfig, MeshConfig); the training loop's own sections (opt, checkpoint,
-eval, log, init) live here with TrainConfig. `default_config()` builds the ConfigDict from
+eval, log, profile, init) live here with TrainConfig. `default_config()` builds the ConfigDict from
 the dataclasses' defaults (the embedded default run), config files in configs/ edit it, and
 `TrainConfig.from_config_dict` turns the result back into typed, validated dataclasses once.
 Modules never see a ConfigDict.
@@ -106,10 +106,30 @@ class LogConfig:
   tensorboard: bool = True      # write TensorBoard event files under WORKDIR/tb
   progress_bar: bool = True     # tqdm bar on the console (plain lines when False)
   peak_tflops: float = 0.0      # per-device peak for MFU; 0 = from the device kind (no MFU on CPU)
+  # Also log every row to Weights & Biases (TensorBoard stays on): needs `pip install wandb`
+  # (asked for without it, the run stops at start-up); W&B reads WANDB_API_KEY / WANDB_MODE.
+  wandb: bool = False
+  mlflow: bool = False          # the same for MLflow (`pip install mlflow`; MLFLOW_TRACKING_URI)
+  project: str = "infir2_jax"   # W&B project / MLflow experiment the runs go to
+  run_name: str = ""            # W&B / MLflow run name ("" = the workdir's folder name)
 
   def __post_init__(self):
     check_range("log.every_steps", self.every_steps, 1)
     check_range("log.peak_tflops", self.peak_tflops, 0.0)
+    if (self.wandb or self.mlflow) and not self.project:
+      raise ConfigError("log.project is empty; W&B and MLflow need a project / experiment name")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+  """A jax.profiler trace of chosen steps under WORKDIR/profile (as MaxText's `profiler`):
+  open it with TensorBoard's profile plugin, XProf or Perfetto (the .trace.json.gz)."""
+  start_step: int = 0   # first step traced; 0 = no profile (step 1 compiles: start at 3 or later)
+  steps: int = 3        # consecutive steps traced from start_step
+
+  def __post_init__(self):
+    check_range("profile.start_step", self.start_step, 0)
+    check_range("profile.steps", self.steps, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +174,7 @@ class TrainConfig:
   checkpoint: CheckpointConfig = CheckpointConfig()
   eval: EvalConfig = EvalConfig()
   log: LogConfig = LogConfig()
+  profile: ProfileConfig = ProfileConfig()
   init: InitConfig = InitConfig()
 
   def __post_init__(self):

@@ -13,6 +13,8 @@
   WORKDIR/checkpoints_rewound/<step>  checkpoints after the one a continued run restarted
                                      from (opt.rewind_to_stable), moved aside
   WORKDIR/profile/                   traces of the steps profile.* asked for (jax.profiler)
+  WORKDIR/trackers.json              W&B / MLflow run ids (log.wandb, log.mlflow): a resume
+                                     logs to the same tracker run
   WORKDIR/.lock                      held (flock) by the trainer of the run: pid and host
 """
 
@@ -33,6 +35,7 @@ CHECKPOINTS_DIR = "checkpoints"
 DAMAGED_DIR = "checkpoints_damaged"
 REWOUND_DIR = "checkpoints_rewound"
 PROFILE_DIR = "profile"
+TRACKERS_FILE = "trackers.json"
 LOCK_FILE = ".lock"
 STATE_ITEM = "state"   # orbax item names inside a checkpoint step
 DATA_ITEM = "data"

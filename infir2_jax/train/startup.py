@@ -9,6 +9,7 @@ next.
 
 import contextlib
 import logging
+import math
 import shlex
 import time
 
@@ -154,7 +155,8 @@ def closing_summary(cfg: TrainConfig, workdir: str, last: dict, *, start_step: i
   if "loss" in last:
     losses.append(f"loss {last['loss']:.4f}")
   if "eval_loss" in last:
-    losses.append(f"eval_loss {last['eval_loss']:.4f}")
+    losses.append(f"eval_loss {last['eval_loss']:.4f} (perplexity "
+                  f"{math.exp(min(last['eval_loss'], 700)):.4g})")
   head = (f"done: steps {start_step + 1}-{cfg.steps} in {_duration(wall_s)} "
           f"(start-up {_duration(startup_s)})" if ran > 0 else
           f"done: nothing to run, {workdir} had finished its {cfg.steps} steps")

@@ -21,11 +21,12 @@ from infir2_jax.errors import ConfigError, UserError
 from infir2_jax.model import Qwen2, init_params, projections
 from infir2_jax.model.attention import check_documents, uses_packed_documents
 from infir2_jax.precision import make_dot_general_factory, telemetry
-from infir2_jax.train import (continuation, preemption, preflight, resume, rundir, runlock,
-                              startup)
+from infir2_jax.train import (continuation, loggers, preemption, preflight, resume, rundir,
+                              runlock, startup)
 from infir2_jax.train.checkpoint import Checkpointer, all_finite, restore_params
-from infir2_jax.train.metrics import MetricsWriter, peak_flops_per_device
+from infir2_jax.train.metrics import MetricsWriter, peak_flops_per_device, perplexity
 from infir2_jax.train.optim import make_optimizer, make_schedule, stable_end
+from infir2_jax.train.profile import StepProfiler
 from infir2_jax.train.step import make_eval_step, make_train_step
 
 
@@ -193,6 +194,7 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   cfg = _continue(cfg, workdir)   # before the optimizer: the schedule is compiled in
   with clock.phase("config checks"):
     place = _placement(cfg)
+    loggers.check_available(cfg.log)
   with clock.phase("data"):
     data = _make_data(cfg, place)
     num_eval = startup.eval_batch_count(cfg, data, log=_print0)
@@ -221,7 +223,7 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
       state = _initial_state(cfg, init_fn, optimizer, structs, shardings, place)
     _write_config(cfg, workdir)
 
-  writer = MetricsWriter(workdir, cfg.log, cfg.steps, start_step)
+  writer = MetricsWriter(workdir, cfg.log, cfg.steps, start_step, run_config=cfg.to_dict())
   writer.print(f"{cfg.model.num_params() / 1e6:.1f}M params, recipe {cfg.precision.recipe}, "
                f"mesh {dict(place.mesh.shape)}, {data.summary()}, "
                + startup.init_source(cfg, start_step))
@@ -325,17 +327,19 @@ class _Loop:
     self.tokens_per_step = cfg.batch_size * cfg.seq_len
     self.flops_per_step = cfg.model.flops_per_token(cfg.seq_len) * self.tokens_per_step
     self.peak = peak_flops_per_device(cfg.log)
+    self.profiler = StepProfiler(cfg.profile, writer.workdir, log=writer.print)
 
   def evaluate(self, params) -> dict[str, float]:
     """{"eval_loss": the validation set's token loss, "eval_loss/NAME": each mixture
-    source's own validation set}."""
+    source's own validation set}, and each one's "eval_perplexity[/NAME]"."""
     out = {}
     for name, batches in self.eval_batches.items():
       with self.place.context():
         sums = [self.steps.eval(params, b) for b in batches]
       tokens = sum(float(s[1]) for s in sums)
-      out["eval_loss" + (f"/{name}" if name else "")] = (
-          sum(float(s[0]) for s in sums) / max(tokens, 1.0))
+      loss = sum(float(s[0]) for s in sums) / max(tokens, 1.0)
+      out["eval_loss" + (f"/{name}" if name else "")] = loss
+      out["eval_perplexity" + (f"/{name}" if name else "")] = perplexity(loss)
     return out
 
   def check_finite(self, step: int, metrics: dict[str, float], state_finite: bool) -> None:
@@ -380,11 +384,20 @@ class _Loop:
       evals = self.evaluate(state["params"])
       last.update(evals)
       self.writer.write(0, evals)
+    try:
+      return self._steps(state, train_iter, stop, last)
+    finally:
+      self.profiler.stop(cfg.steps, force=True)   # a run stopped inside the traced steps
+
+  def _steps(self, state, train_iter, stop, last):
+    cfg = self.cfg
     pending = None  # (step, device metrics) of the previous step, read while the next one runs
     for step in range(self.start_step + 1, cfg.steps + 1):
       batch = _global_batch(self.place.checked(next(train_iter)), self.place.batch,
                             cfg.batch_size)
+      self.profiler.start(step)
       state, device_metrics = self.dispatch(step, state, batch)
+      self.profiler.stop(step, (state, device_metrics))
       if pending is not None:  # read step N-1 while step N runs
         last = self.log(*pending)
       pending = None if device_metrics is None else (step, device_metrics)
@@ -445,6 +458,7 @@ def _log_step(writer, step, device_metrics, timer, tokens_per_step, flops_per_st
     metrics.update(telemetry.finite_only(telemetry.summarize(fp8_stats["fwd"], fp8_stats["bwd"])))
   dt = timer.lap()
   check_finite(step, metrics, state_finite)
+  metrics["perplexity"] = perplexity(metrics["loss"])
   if dt is not None:
     metrics["step_time_s"] = dt
     metrics["tokens_per_s"] = tokens_per_step / dt
