@@ -10,7 +10,10 @@ next.
 import contextlib
 import logging
 import math
+import os
 import shlex
+import shutil
+import sys
 import time
 
 import jax
@@ -147,6 +150,16 @@ def _duration(seconds: float) -> str:
   return f"{minutes} min {s} s" if minutes else f"{seconds:.1f} s"
 
 
+def python_command() -> str:
+  """How to name this interpreter on the next command line: `python` when that is it on PATH
+  (an active venv), else its path (`.venv/bin/python` when run as that from the repo)."""
+  on_path = shutil.which("python")
+  if on_path and os.path.abspath(on_path) == os.path.abspath(sys.executable):
+    return "python"
+  relative = os.path.relpath(sys.executable)
+  return relative if not relative.startswith("..") else sys.executable
+
+
 def closing_summary(cfg: TrainConfig, workdir: str, last: dict, *, start_step: int,
                     wall_s: float, startup_s: float) -> str:
   """The run's last message: what it reached, how long it took, where it is, what next."""
@@ -162,15 +175,15 @@ def closing_summary(cfg: TrainConfig, workdir: str, last: dict, *, start_step: i
           f"done: nothing to run, {workdir} had finished its {cfg.steps} steps")
   steps = rundir.checkpoint_steps(workdir) if jax.process_index() == 0 else []
   where = f"checkpoint {steps[-1]}" if steps else "no checkpoint"
-  wd = shlex.quote(workdir)
+  wd, py = shlex.quote(workdir), shlex.quote(python_command())
   lines = [head + (": " + ", ".join(losses) if losses else ""),
            f"run directory {workdir}: metrics.jsonl, tb/, {where}",
            "next:",
-           f"  python -m infir2_jax.ablation.plot_run {wd}    # loss curves -> {wd}/loss.png",
-           f"  python -m infir2_jax.generate --workdir={wd} --prompt='...'",
-           f"  python -m infir2_jax.export --workdir={wd} --out={wd}/hf [--fp8]"]
+           f"  {py} -m infir2_jax.ablation.plot_run {wd}    # loss curves -> {wd}/loss.png",
+           f"  {py} -m infir2_jax.generate --workdir={wd} --prompt='...'",
+           f"  {py} -m infir2_jax.export --workdir={wd} --out={wd}/hf [--fp8]"]
   if cfg.data.format == "chat":
-    lines.append(f"  python -m infir2_jax.inference.evaluate --workdir={wd} --limit=16")
+    lines.append(f"  {py} -m infir2_jax.inference.evaluate --workdir={wd} --limit=16")
   lines.append(continuation.next_run_hint(cfg, workdir))
   logging.info("%s", " | ".join(lines))
   return "\n".join(lines)
