@@ -148,17 +148,19 @@ def test_closing_summary_and_line_progress(fp8_run):
 
 
 def test_resume_says_resumed_and_times_the_restore(fp8_run, tmp_path, capsys):
+  """From the run's step-2 checkpoint, with its own config: the compiled step is the run's
+  (the persistent cache has it), so only the restore is new work."""
   cfg, workdir, _, _, _ = fp8_run
   resumed = str(tmp_path / "resumed")
-  os.makedirs(resumed)
-  subprocess.run(["cp", "-r", os.path.join(workdir, "checkpoints"), resumed], check=True)
-  train(tiny_config(**FP8, **{"steps": 6, "eval.every_steps": 0, "log.progress_bar": False}),
-        resumed)
+  os.makedirs(os.path.join(resumed, "checkpoints"))
+  subprocess.run(["cp", "-r", os.path.join(workdir, "checkpoints", "2"),
+                  os.path.join(resumed, "checkpoints")], check=True)
+  train(tiny_config(**FP8, **{"eval.every_steps": 0, "log.progress_bar": False}), resumed)
   out = capsys.readouterr().out
-  assert params_line(out).endswith("resumed from step 4")
+  assert params_line(out).endswith("resumed from step 2")
   startup = next(line for line in out.splitlines() if line.startswith("start-up "))
   assert ", restore " in startup and ", init " not in startup
-  assert "done: steps 5-6 in" in out
+  assert "done: steps 3-4 in" in out
 
 
 def test_weights_from_a_run_or_its_fp8_export_are_named(fp8_run, tmp_path, capsys):
@@ -173,8 +175,8 @@ def test_weights_from_a_run_or_its_fp8_export_are_named(fp8_run, tmp_path, capsy
                            ("init.hf_checkpoint", hf_dir, f"weights from the HF checkpoint "
                             f"{hf_dir}")):
     child = str(tmp_path / key)
-    overrides = dict(FP8, **{key: value, "steps": 1,
-                             "eval.every_steps": 1, "eval.batches": 10_000,
+    # The run's own steps (4): its compiled train step is reused; only step 0's eval counts.
+    overrides = dict(FP8, **{key: value, "eval.every_steps": 4, "eval.batches": 10_000,
                              "checkpoint.every_steps": 0, "log.progress_bar": False})
     train(tiny_config(**overrides), child)
     out = capsys.readouterr().out
