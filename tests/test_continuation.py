@@ -2,8 +2,8 @@
 
 The tiny run: 8 steps, wsd, warm-up 2, decay_fraction 0.25 -> steps 1-7 at warm-up/stable
 lr, the decay over steps 8-9 (step 8 trains at the midpoint, step 9 on at the final lr).
-Its checkpoints: 4 and 8 (checkpoint.every_steps=4); 4, the last before the decay, is kept
-beyond checkpoint.keep.
+Its checkpoints: every 2 steps, keep 1; checkpoint 6, the last before the decay, is kept
+beyond checkpoint.keep: [6, 8].
 """
 
 import json
@@ -26,7 +26,7 @@ def tiny_config(**overrides):
   c.model.hidden_size, c.model.intermediate_size = 128, 256
   c.model.num_layers, c.model.num_heads, c.model.num_kv_heads = 2, 2, 1
   c.opt.warmup_steps, c.opt.decay_fraction = 2, 0.25
-  c.checkpoint.every_steps = 4
+  c.checkpoint.every_steps, c.checkpoint.keep = 2, 1
   c.eval.every_steps = 0
   c.log.progress_bar = c.log.tensorboard = False
   return TrainConfig.from_config_dict(apply_overrides(c, overrides))
@@ -50,16 +50,9 @@ def _copy(run, tmp_path, name="run"):
   return target
 
 
-def test_the_run_keeps_its_last_checkpoint_before_the_decay(tmp_path):
-  """Every 2 steps, keep 1: checkpoint 6, the last before the decay (after step 7), stays."""
+def test_the_run_keeps_its_last_checkpoint_before_the_decay(finished):
   assert stable_end(tiny_config().opt, 8) == 7
-  run = str(tmp_path / "run")
-  train(tiny_config(**{"checkpoint.every_steps": 2, "checkpoint.keep": 1}), run)
-  assert rundir.checkpoint_steps(run) == [6, 8]
-
-
-def test_the_tiny_run_and_its_lr(finished):
-  assert rundir.checkpoint_steps(finished) == [4, 8]
+  assert rundir.checkpoint_steps(finished) == [6, 8]   # keep=1, and 6 for a rewind
   got = lrs(finished)
   assert got[7] == pytest.approx(LR) and FINAL < got[8] < LR
 
@@ -85,22 +78,22 @@ def test_more_steps_after_the_decay_go_on_at_the_final_lr(finished, tmp_path, ca
 
 def test_a_second_resume_of_the_continued_run_keeps_its_schedule(finished, tmp_path):
   run = _copy(finished, tmp_path)
-  train(tiny_config(steps=12, **{"checkpoint.every_steps": 2}), run)
+  train(tiny_config(steps=12, **{"checkpoint.keep": 2}), run)
   shutil.rmtree(rundir.step_dir(run, 12))       # as if killed after its step-10 checkpoint
-  train(tiny_config(steps=12, **{"checkpoint.every_steps": 2}), run)
+  train(tiny_config(steps=12, **{"checkpoint.keep": 2}), run)
   assert [lrs(run)[s] for s in (11, 12)] == pytest.approx([FINAL, FINAL])
 
 
 def test_more_steps_in_the_stable_phase_move_the_decay_to_the_new_end(finished, tmp_path,
                                                                         capsys):
   run = _copy(finished, tmp_path)
-  shutil.rmtree(rundir.step_dir(run, 8))   # as if stopped after its step-4 checkpoint
+  shutil.rmtree(rundir.step_dir(run, 8))   # as if stopped after its step-6 checkpoint
   train(tiny_config(steps=16), run)
   out = capsys.readouterr().out
   got = lrs(run)
-  assert got[5] == got[4] == pytest.approx(LR)
+  assert got[7] == got[6] == pytest.approx(LR)
   assert stable_end(tiny_config(steps=16).opt, 16) == 13
-  assert [got[s] for s in range(5, 14)] == pytest.approx([LR] * 9)
+  assert [got[s] for s in range(7, 14)] == pytest.approx([LR] * 7)
   assert got[14] < LR and got[16] < got[15] < got[14]
   assert "the decay moves to the new end, steps 14-16" in out
 
@@ -111,10 +104,10 @@ def test_rewind_to_stable_restarts_before_the_decay_and_decays_at_the_new_end(fi
   train(tiny_config(steps=16, **{"opt.rewind_to_stable": True}), run)
   out = capsys.readouterr().out
   got, before = lrs(run), lrs(finished)
-  assert "restarting from checkpoint 4, the last before the decay" in out
+  assert "restarting from checkpoint 6, the last before the decay" in out
   assert os.path.isdir(os.path.join(run, rundir.REWOUND_DIR, "8"))
-  assert [got[s] for s in range(1, 5)] == [before[s] for s in range(1, 5)]
-  assert [got[s] for s in range(5, 14)] == pytest.approx([LR] * 9)   # stable again
+  assert [got[s] for s in range(1, 7)] == [before[s] for s in range(1, 7)]
+  assert [got[s] for s in range(7, 14)] == pytest.approx([LR] * 7)   # stable again
   assert got[16] < got[15] < got[14] < LR
   superseded = [json.loads(line)["step"] for line in
                 open(os.path.join(run, rundir.SUPERSEDED_METRICS_FILE))]
