@@ -53,9 +53,11 @@ def _check_config_file(argv: list[str]) -> None:
   """Runs the --config file's get_config(variant) once before absl does: a missing file or
   an unknown variant is then a ConfigError / NotFound, not absl's flag-parsing traceback."""
   from infir2_jax.config import get_config_dict
-  for arg in argv[1:]:
+  for i, arg in enumerate(argv[1:], 1):
     if arg.startswith("--config="):
       get_config_dict(arg.split("=", 1)[1])
+    elif arg == "--config" and i + 1 < len(argv):   # `--config FILE`
+      get_config_dict(argv[i + 1])
 
 
 def run() -> None:
