@@ -8,7 +8,7 @@
 Architecture = HF Qwen/Qwen2.5-1.5B config.json. Schedule: the paper's WSD, scaled to `steps`.
 """
 
-from infir2_jax.config import default_config
+from infir2_jax.config import ConfigError, default_config
 
 
 def get_config(variant: str | None = None):
@@ -49,5 +49,5 @@ def get_config(variant: str | None = None):
     config.checkpoint.every_steps = 0
     config.eval.every_steps = 0
   elif variant:
-    raise ValueError(f"unknown variant {variant!r} of configs/1p5b.py; valid: 'smoke'")
+    raise ConfigError(f"unknown variant {variant!r} of configs/1p5b.py; valid: 'smoke'")
   return config

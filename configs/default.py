@@ -7,7 +7,7 @@
 Every key and its meaning: infir2_jax/config.py and the dataclasses it names.
 """
 
-from infir2_jax.config import default_config
+from infir2_jax.config import ConfigError, default_config
 
 
 def get_config(variant: str | None = None):
@@ -19,6 +19,7 @@ def get_config(variant: str | None = None):
     config.checkpoint.every_steps = 10
     config.eval.every_steps = 10
     config.eval.batches = 2
+    config.opt.warmup_steps = 5        # a quarter of the run (the default 30 would not fit)
   elif variant:
-    raise ValueError(f"unknown variant {variant!r} of configs/default.py; valid: 'smoke'")
+    raise ConfigError(f"unknown variant {variant!r} of configs/default.py; valid: 'smoke'")
   return config

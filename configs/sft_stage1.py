@@ -26,6 +26,8 @@ prints "N steps/epoch" for the packed data, and 5 epochs is `--config.steps=5N
 import importlib.util
 import os
 
+from infir2_jax.config import ConfigError
+
 NUM_SAMPLES = 72_000       # InfiAlign-SFT-72k
 EPOCHS = 5
 GLOBAL_BATCH = 64
@@ -59,7 +61,7 @@ def get_config(variant: str | None = None):
   if variant == "demo":
     return demo_config(stage=1)
   if variant:
-    raise ValueError(f"unknown variant {variant!r} of configs/sft_stage1.py; valid: 'demo'")
+    raise ConfigError(f"unknown variant {variant!r} of configs/sft_stage1.py; valid: 'demo'")
   config = _base("1p5b").get_config()  # Qwen2.5-1.5B architecture, qwen2.5 tokenizer
   apply_sft_settings(config, NUM_SAMPLES)
   config.seq_len = 32768               # the paper's 32k context

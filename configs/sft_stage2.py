@@ -17,6 +17,8 @@ an HF export instead: --config.init.from_run= --config.init.hf_checkpoint=DIR.
 import importlib.util
 import os
 
+from infir2_jax.config import ConfigError
+
 NUM_SAMPLES = 165_000      # InfiAlign-SFT-165k
 
 
@@ -33,7 +35,7 @@ def get_config(variant: str | None = None):
   if variant == "demo":
     return stage1.demo_config(stage=2)
   if variant:
-    raise ValueError(f"unknown variant {variant!r} of configs/sft_stage2.py; valid: 'demo'")
+    raise ConfigError(f"unknown variant {variant!r} of configs/sft_stage2.py; valid: 'demo'")
   config = stage1.get_config()
   stage1.apply_sft_settings(config, NUM_SAMPLES)
   config.data.source = "InfiAlign-SFT-165k/*.jsonl"  # set to your copy of the data

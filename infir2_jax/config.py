@@ -2,7 +2,7 @@
 
 The model, data, precision and mesh sections are owned by their packages (ModelConfig,
 DataConfig, PrecisionConfig, MeshConfig); the training loop's own sections (opt, checkpoint,
-eval, log, init) live here with TrainConfig. `default_config()` builds the ConfigDict from
+eval, log, profile, init) live here with TrainConfig. `default_config()` builds the ConfigDict from
 the dataclasses' defaults (the embedded default run), config files in configs/ edit it, and
 `TrainConfig.from_config_dict` turns the result back into typed, validated dataclasses once.
 Modules never see a ConfigDict.
@@ -22,6 +22,7 @@ from typing import Any
 import ml_collections
 
 from infir2_jax.data.config import DataConfig
+from infir2_jax.errors import ConfigError, NotFound
 from infir2_jax.model.config import ModelConfig
 from infir2_jax.parallel.mesh import MeshConfig
 from infir2_jax.precision.config import PrecisionConfig
@@ -39,7 +40,7 @@ def check_range(key: str, value, lo: float = -math.inf, hi: float = math.inf, *,
     left = "(" if lo_open or lo == -math.inf else "["
     right = ")" if hi_open or hi == math.inf else "]"
     bounds = f"{left}{_bound(lo)}, {_bound(hi)}{right}"
-    raise ValueError(f"{key}={value!r} is out of range: it must be a finite number in {bounds}")
+    raise ConfigError(f"{key}={value!r} is out of range: it must be a finite number in {bounds}")
 
 
 def _bound(x: float) -> str:
@@ -58,6 +59,14 @@ class OptConfig:
   eps: float = 1e-8                # Adam denominator epsilon, > 0 (0 gives 0/0 = NaN)
   weight_decay: float = 0.1        # decoupled; never applied to norms or biases
   clip_norm: float = 1.0           # global-norm clipping (0 = off)
+  # The run length the schedule's warm-up and decay are laid out for (0 = steps); steps past
+  # it train at the final lr. A resume that raises `steps` after the decay has begun keeps
+  # the run's own here, so its lr goes on where it was (train/continuation.py).
+  schedule_steps: int = 0
+  # wsd, on a resume that raises `steps` after the decay has begun: restart from the
+  # checkpoint saved where the decay began (the trainer keeps it) and decay at the new end,
+  # instead of going on at the final lr.
+  rewind_to_stable: bool = False
   # Adam's stored moments: "fp32" (optax.adamw) | "bf16" (4 bytes/param, not 8) | "fp8" (E4M3
   # with per-128-group scales and range expansion, ~2.1 bytes/param); train/moments.py.
   # The update is computed in float32 either way; master weights stay in model.param_dtype.
@@ -65,7 +74,7 @@ class OptConfig:
 
   def __post_init__(self):
     if self.schedule not in ("wsd", "cosine", "constant"):
-      raise ValueError(f"opt.schedule={self.schedule!r}; valid: 'wsd', 'cosine', 'constant'")
+      raise ConfigError(f"opt.schedule={self.schedule!r}; valid: 'wsd', 'cosine', 'constant'")
     check_range("opt.lr", self.lr, 0.0, lo_open=True)
     check_range("opt.warmup_steps", self.warmup_steps, 0)
     check_range("opt.decay_fraction", self.decay_fraction, 0.0, 1.0)
@@ -75,8 +84,9 @@ class OptConfig:
     check_range("opt.eps", self.eps, 0.0, lo_open=True)
     check_range("opt.weight_decay", self.weight_decay, 0.0)
     check_range("opt.clip_norm", self.clip_norm, 0.0)
+    check_range("opt.schedule_steps", self.schedule_steps, 0)
     if self.moments not in ("fp32", "bf16", "fp8"):
-      raise ValueError(f"opt.moments={self.moments!r}; valid: 'fp32', 'bf16', 'fp8'")
+      raise ConfigError(f"opt.moments={self.moments!r}; valid: 'fp32', 'bf16', 'fp8'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +106,30 @@ class LogConfig:
   tensorboard: bool = True      # write TensorBoard event files under WORKDIR/tb
   progress_bar: bool = True     # tqdm bar on the console (plain lines when False)
   peak_tflops: float = 0.0      # per-device peak for MFU; 0 = from the device kind (no MFU on CPU)
+  # Also log every row to Weights & Biases (TensorBoard stays on): needs `pip install wandb`
+  # (asked for without it, the run stops at start-up); W&B reads WANDB_API_KEY / WANDB_MODE.
+  wandb: bool = False
+  mlflow: bool = False          # the same for MLflow (`pip install mlflow`; MLFLOW_TRACKING_URI)
+  project: str = "infir2_jax"   # W&B project / MLflow experiment the runs go to
+  run_name: str = ""            # W&B / MLflow run name ("" = the workdir's folder name)
 
   def __post_init__(self):
     check_range("log.every_steps", self.every_steps, 1)
     check_range("log.peak_tflops", self.peak_tflops, 0.0)
+    if (self.wandb or self.mlflow) and not self.project:
+      raise ConfigError("log.project is empty; W&B and MLflow need a project / experiment name")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+  """A jax.profiler trace of chosen steps under WORKDIR/profile (as MaxText's `profiler`):
+  open it with TensorBoard's profile plugin, XProf or Perfetto (the .trace.json.gz)."""
+  start_step: int = 0   # first step traced; 0 = no profile (step 1 compiles: start at 3 or later)
+  steps: int = 3        # consecutive steps traced from start_step
+
+  def __post_init__(self):
+    check_range("profile.start_step", self.start_step, 0)
+    check_range("profile.steps", self.steps, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +151,7 @@ class InitConfig:
 
   def __post_init__(self):
     if self.hf_checkpoint and self.from_run:
-      raise ValueError("set at most one of init.hf_checkpoint and init.from_run")
+      raise ConfigError("set at most one of init.hf_checkpoint and init.from_run")
     check_range("init.from_run_step", self.from_run_step, -1)
 
 
@@ -144,6 +174,7 @@ class TrainConfig:
   checkpoint: CheckpointConfig = CheckpointConfig()
   eval: EvalConfig = EvalConfig()
   log: LogConfig = LogConfig()
+  profile: ProfileConfig = ProfileConfig()
   init: InitConfig = InitConfig()
 
   def __post_init__(self):
@@ -153,10 +184,10 @@ class TrainConfig:
     object.__setattr__(self, "skip_steps", tuple(self.skip_steps))
     for step in self.skip_steps:
       if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"skip_steps={self.skip_steps!r}: every entry must be a step >= 1")
+        raise ConfigError(f"skip_steps={self.skip_steps!r}: every entry must be a step >= 1")
     if self.batch_size % self.grad_accum_steps:
-      raise ValueError(f"batch_size={self.batch_size} is not divisible by "
-                       f"grad_accum_steps={self.grad_accum_steps}")
+      raise ConfigError(f"batch_size={self.batch_size} is not divisible by "
+                        f"grad_accum_steps={self.grad_accum_steps}")
 
   @classmethod
   def from_config_dict(cls, config: ml_collections.ConfigDict) -> "TrainConfig":
@@ -193,7 +224,7 @@ def _from_dict(cls, values: dict[str, Any], prefix: str):
     hint = hints[name]
     if dataclasses.is_dataclass(hint):
       if not isinstance(value, dict):
-        raise ValueError(f"Config key {prefix + name} must be a section, got {value!r}")
+        raise ConfigError(f"Config key {prefix + name} must be a section, got {value!r}")
       kwargs[name] = _from_dict(hint, value, prefix=f"{prefix}{name}.")
     else:
       kwargs[name] = _coerce(value, hint, prefix + name)
@@ -208,23 +239,70 @@ def _coerce(value, hint, key: str):
       return tuple(value)
     if isinstance(value, str):  # a single entry given on the command line
       return (value,) if value else ()
-    raise ValueError(f"Config key {key} must be a tuple, got {value!r}")
+    raise ConfigError(f"Config key {key} must be a tuple, got {value!r}")
   if origin in (typing.Union, types.UnionType):
     return value
   if hint is float and isinstance(value, int) and not isinstance(value, bool):
     return float(value)
   if hint in (int, float, str, bool) and not isinstance(value, hint):
-    raise ValueError(f"Config key {key} must be {hint.__name__}, got {value!r}")
+    raise ConfigError(f"Config key {key} must be {hint.__name__}, got {value!r}")
   if hint is int and isinstance(value, bool):
-    raise ValueError(f"Config key {key} must be int, got {value!r}")
+    raise ConfigError(f"Config key {key} must be int, got {value!r}")
   return value
 
 
-def unknown_key_error(key: str, valid: Sequence[str], where: str = "") -> ValueError:
-  """The error for a key that is not a config key: the closest valid one, and all of them."""
+# Names other frameworks (HF Trainer, MaxText, Megatron, optax) give our keys (a last part,
+# or a whole key): a spelling match misses them ("opt.learning_rate" is closest to
+# "opt.min_lr_ratio").
+SYNONYMS = {
+    "learning_rate": "lr", "peak_lr": "lr", "max_lr": "lr", "lr_schedule": "schedule",
+    "scheduler": "schedule", "warmup": "warmup_steps", "num_warmup_steps": "warmup_steps",
+    "beta1": "b1", "beta2": "b2", "adam_beta1": "b1", "adam_beta2": "b2", "epsilon": "eps",
+    "adam_eps": "eps", "adam_epsilon": "eps", "wd": "weight_decay", "grad_clip": "clip_norm",
+    "max_grad_norm": "clip_norm", "gradient_clipping": "clip_norm", "clip_grad_norm": "clip_norm",
+    "max_steps": "steps", "num_steps": "steps", "total_steps": "steps", "train_steps": "steps",
+    "num_train_steps": "steps", "steps_total": "steps",
+    "global_batch_size": "batch_size", "per_device_batch_size": "batch_size",
+    "seq_length": "seq_len", "max_seq_len": "seq_len", "sequence_length": "seq_len",
+    "max_target_length": "seq_len", "context_length": "seq_len", "block_size": "seq_len",
+    "gradient_accumulation_steps": "grad_accum_steps", "grad_accum": "grad_accum_steps",
+    "num_hidden_layers": "num_layers", "n_layers": "num_layers", "n_layer": "num_layers",
+    "num_attention_heads": "num_heads", "n_heads": "num_heads", "n_head": "num_heads",
+    "num_key_value_heads": "num_kv_heads", "n_kv_heads": "num_kv_heads",
+    "d_model": "hidden_size", "emb_dim": "hidden_size", "hidden_dim": "hidden_size",
+    "ffn_dim": "intermediate_size", "d_ff": "intermediate_size", "mlp_dim": "intermediate_size",
+    "dataset": "source", "dataset_path": "source", "data_path": "source", "train_data": "source",
+    "eval_steps": "eval.every_steps", "eval_interval": "eval.every_steps",
+    "save_steps": "checkpoint.every_steps", "checkpoint_period": "checkpoint.every_steps",
+    "log_period": "log.every_steps", "logging_steps": "log.every_steps",
+    "random_seed": "seed", "fp8_recipe": "recipe", "quantization": "recipe", "momentum": "b1",
+}
+
+
+def suggest_key(key: str, valid: Sequence[str]) -> str | None:
+  """The valid key a mistyped `key` most likely means: a known synonym of its last part (in
+  its own section first), the same last part in another section, else the closest spelling."""
+  section, _, leaf = key.rpartition(".")
+  synonym = SYNONYMS.get(leaf.lower(), "")
+  if synonym in valid:
+    return synonym
+  by_leaf: dict[str, list[str]] = {}
+  for name in valid:
+    by_leaf.setdefault(name.rpartition(".")[2], []).append(name)
+  for wanted in (synonym, leaf):
+    candidates = by_leaf.get(wanted, [])
+    same_section = [c for c in candidates if c.rpartition(".")[0] == section]
+    if same_section or candidates:
+      return (same_section or candidates)[0]
   close = difflib.get_close_matches(key, list(valid), n=1)
-  hint = f" Did you mean {close[0]!r}?" if close else ""
-  return ValueError(f"Unknown config key {key!r}{where}.{hint}\nValid keys:\n  "
+  return close[0] if close else None
+
+
+def unknown_key_error(key: str, valid: Sequence[str], where: str = "") -> ConfigError:
+  """The error for a key that is not a config key: the closest valid one, and all of them."""
+  close = suggest_key(key, valid)
+  hint = f" Did you mean {close!r}?" if close else ""
+  return ConfigError(f"Unknown config key {key!r}{where}.{hint}\nValid keys:\n  "
                     + "\n  ".join(sorted(valid)))
 
 
@@ -241,7 +319,7 @@ def flat_keys(cfg_cls=TrainConfig, prefix: str = "") -> list[str]:
 
 
 def check_override_flags(argv: list[str], flag: str = "config") -> None:
-  """Raises ValueError for `--config.KEY=...` flags whose KEY is not a config key.
+  """Raises ConfigError for `--config.KEY=...` flags whose KEY is not a config key.
 
   Done before absl parses the flags so the error names the key and lists the valid ones.
   """
@@ -286,7 +364,7 @@ def get_config_dict(spec: str = "") -> ml_collections.ConfigDict:
     return default_config()
   path, _, variant = spec.partition(":")
   if not os.path.exists(path):
-    raise FileNotFoundError(f"config file {path!r} does not exist")
+    raise NotFound(f"config file {path!r} does not exist")
   module_spec = importlib.util.spec_from_file_location(
       "infir2_config_" + os.path.splitext(os.path.basename(path))[0], path)
   module = importlib.util.module_from_spec(module_spec)
@@ -298,7 +376,7 @@ def get_config_dict(spec: str = "") -> ml_collections.ConfigDict:
 
 def _split_override(override: str) -> tuple[str, Any]:
   if "=" not in override:
-    raise ValueError(f"override {override!r} must look like 'a.b=value'")
+    raise ConfigError(f"override {override!r} must look like 'a.b=value'")
   key, text = override.split("=", 1)
   try:
     value = ast.literal_eval(text)

@@ -16,6 +16,7 @@ be the run directory (or contain it), and a non-empty --out needs --overwrite.
 
 import os
 
+from infir2_jax import errors
 from infir2_jax.data.tokenizer import load_tokenizer
 from infir2_jax.hf.save import export_params
 from infir2_jax.train import integrity, rundir
@@ -72,11 +73,14 @@ def main(argv):
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)   # orbax logs every read at INFO
   f = flags.FLAGS
-  try:
-    print(export_run(f.workdir, f.out, None if f.step < 0 else f.step, f.fp8,
-                     overwrite=f.overwrite))
-  except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as e:
-    raise SystemExit(f"error: {e}") from None
+  with errors.cli_errors(f.debug or errors.debug_requested()):
+    try:
+      print(export_run(f.workdir, f.out, None if f.step < 0 else f.step, f.fp8,
+                       overwrite=f.overwrite))
+    except (ValueError, FileExistsError, FileNotFoundError, RuntimeError) as e:
+      if f.debug or errors.debug_requested():
+        raise
+      raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":
@@ -85,6 +89,8 @@ if __name__ == "__main__":
   flags.DEFINE_string("out", None, "Output HF checkpoint directory.", required=True)
   flags.DEFINE_integer("step", -1, "Checkpoint step to export (-1 = the latest).")
   flags.DEFINE_bool("fp8", False, "Write block-scaled FP8 projection weights (vLLM/SGLang).")
+  flags.DEFINE_bool("debug", False, "Show the traceback of a user error, not only its "
+                    "`error:` line (also INFIR2_DEBUG=1).")
   flags.DEFINE_bool("overwrite", False, "Replace a non-empty --out (once the new export is "
                     "complete).")
   app.run(main)

@@ -19,7 +19,7 @@ import os
 import flax.linen as nn
 import jax
 
-from infir2_jax import hf
+from infir2_jax import errors, hf
 from infir2_jax.data import load_tokenizer, prompt_ids, special_ids
 from infir2_jax.inference import generate as generate_lib
 from infir2_jax.model import Qwen2, abstract_params
@@ -79,6 +79,12 @@ def complete(gen: Generator, prompts: list[str], **sampling) -> list[str]:
 
 def main(argv):
   from absl import flags  # pylint: disable=g-import-not-at-top
+  with errors.cli_errors(flags.FLAGS.debug or errors.debug_requested()):
+    _main(argv)
+
+
+def _main(argv):
+  from absl import flags  # pylint: disable=g-import-not-at-top
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   if len(argv) > 1:
     raise SystemExit(f"error: unexpected arguments {argv[1:]}; prompts go in --prompt=...")
@@ -122,6 +128,8 @@ def _define_flags():
   flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens (0 = all).")
   flags.DEFINE_integer("seed", 0, "Sampling seed.")
   flags.DEFINE_bool("json", False, "Print one JSON object {prompt, completion} per line.")
+  flags.DEFINE_bool("debug", False, "Show the traceback of a user error, not only its "
+                    "`error:` line (also INFIR2_DEBUG=1).")
 
 
 if __name__ == "__main__":

@@ -229,3 +229,25 @@ def test_endoftext_made_from_text_is_refused(tmp_path):
   assert chunks_lib.encode_documents(chunk, T.literal_copy(tok), cfg).records == 1
   with pytest.raises(ValueError, match="made <\\|endoftext\\|> .* out of document text"):
     chunks_lib.encode_documents(chunk, tok, cfg)
+
+
+def test_a_small_corpus_prepared_with_defaults_trains_with_the_default_config(tmp_path):
+  """prepare's default --val_fraction is data.val_fraction's (issue 37: 0.001 against 0.05
+  held out nothing of a small corpus, and the default config then could not train on it)."""
+  from infir2_jax.data import make_data  # pylint: disable=g-import-not-at-top
+  assert prepare.parse_args(["--source=x", "--out=y"]).val_fraction == DataConfig().val_fraction
+  src = tmp_path / "small.jsonl"
+  src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs(200)))
+  prepare.run(prepare.parse_args([f"--source={src}", f"--out={tmp_path / 'out'}",
+                                  "--no-progress", "--workers=1"]))
+  data = make_data(DataConfig(source=str(tmp_path / "out"), cache_dir=str(tmp_path / "c")),
+                   seq_len=16, global_batch_size=2, seed=0)
+  assert data.num_eval_batches() > 0
+
+
+def test_inputs_without_documents_are_an_error(tmp_path):
+  src = tmp_path / "bad.jsonl"
+  src.write_text('not json\n{"text": ""}\n')
+  with pytest.raises(ValueError, match=r"yields no documents \(2 bad records: empty text: "
+                     r"1, invalid JSON: 1\)"):
+    run(src, tmp_path / "out")

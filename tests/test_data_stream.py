@@ -96,8 +96,16 @@ def test_validation_split_of_a_prepared_source(tmp_path):
   assert_same(data.eval_batches(), mk(tmp_path, out, val_fraction=0.05, seed=5)().eval_batches())
   assert mk(tmp_path, out)().num_eval_batches() == 0       # data.val_fraction=0: none
   _, no_val = prepared(tmp_path, "nv")
-  with pytest.raises(ValueError, match="prepared without a validation split"):
+  with pytest.raises(ValueError, match=r"nv was prepared with --val_fraction=0 \(no validation "
+                     r"split\); set data.val_fraction=0"):
     mk(tmp_path, no_val, val_fraction=0.05)()
+  # A small corpus prepared with a share fit for a large one holds out nothing: the error says
+  # that, not that it was prepared without validation (issue 37).
+  _, tiny_share = prepared(tmp_path, "ts", val_fraction="0.001")
+  assert json.loads((tiny_share / shards.INDEX).read_text())["totals"]["val_docs"] == 0
+  with pytest.raises(ValueError, match=r"ts was prepared with --val_fraction=0.001, which held "
+                     r"out none of its 40 documents"):
+    mk(tmp_path, tiny_share, val_fraction=0.05)()
 
 
 def test_prepared_source_errors(tmp_path):

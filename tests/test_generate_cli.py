@@ -47,6 +47,7 @@ def cli(*args, env=None):
   return proc
 
 
+@pytest.mark.slow
 def test_generates_what_the_library_generates(run, tmp_path):
   workdir, params = run
   cache = tmp_path / "jax_cache"
@@ -69,6 +70,7 @@ def test_generates_what_the_library_generates(run, tmp_path):
   assert f">>> {PROMPTS[0]}\n{expected[0]}\n" in text.stdout
 
 
+@pytest.mark.slow
 def test_generates_from_an_hf_export_and_reads_its_chat_template(run, tmp_path):
   workdir, _ = run
   hf_dir = str(tmp_path / "hf")

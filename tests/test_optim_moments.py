@@ -231,6 +231,7 @@ def test_fp8_moments_are_sharded_like_their_params_over_fsdp_8():
   assert np.any(np.asarray(new_q, np.float32) != 0)
 
 
+@pytest.mark.slow
 def test_fp8_run_resumed_after_interruption_is_bit_identical(tmp_path, monkeypatch):
   """opt.moments=fp8: a run stopped after its step-4 checkpoint and re-run continues exactly
   (the FP8 moments and their group scales are saved and restored bit for bit)."""

@@ -141,12 +141,13 @@ def test_deliberate_changes_are_recorded_and_config_json_follows(reference, tmp_
   workdir = _copy(reference, tmp_path)
   train(tiny_config(**PLAIN, **{"steps": 10, "opt.lr": 1e-3, "batch_size": 16}), workdir)
   out = capsys.readouterr().out
-  assert "config differs from the run's: batch_size 8 -> 16, opt.lr 0.003 -> 0.001, steps 8 " \
-         "-> 10; resuming from step 8" in out
+  # The run had decayed: its schedule stays laid out over its 8 steps (train/continuation.py).
+  assert "config differs from the run's: batch_size 8 -> 16, opt.lr 0.003 -> 0.001, " \
+         "opt.schedule_steps 0 -> 8, steps 8 -> 10; resuming from step 8" in out
   assert "the data stream differs from step 9 on (batch_size)" in out
   changes = [json.loads(l) for l in open(os.path.join(workdir, rundir.CONFIG_CHANGES_FILE))]
   assert changes == [{"step": 8, "changes": {"batch_size": [8, 16], "opt.lr": [0.003, 0.001],
-                                             "steps": [8, 10]}}]
+                                             "opt.schedule_steps": [0, 8], "steps": [8, 10]}}]
   config = rundir.config_dict(workdir)
   assert (config["opt"]["lr"], config["steps"], config["batch_size"]) == (1e-3, 10, 16)
   assert max(train_losses(workdir)) == 10

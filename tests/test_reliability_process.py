@@ -75,6 +75,7 @@ def uninterrupted(tmp_path_factory):
   return train_losses(workdir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_saves_at_the_next_step_and_exits_cleanly(tmp_path, uninterrupted, signum,
                                                          code):
@@ -97,6 +98,7 @@ def test_signal_saves_at_the_next_step_and_exits_cleanly(tmp_path, uninterrupted
     assert train_losses(workdir) == uninterrupted
 
 
+@pytest.mark.slow
 def test_second_trainer_on_a_run_directory_is_refused(tmp_path):
   """Started together on one workdir: one trains, the other stops at once with a message
   naming the holder; the run's metrics and checkpoints are one run's."""
@@ -134,6 +136,7 @@ def test_lock_of_a_killed_trainer_does_not_block(tmp_path):
   lock.release()
 
 
+@pytest.mark.slow
 def test_grain_workers_die_with_a_killed_trainer(tmp_path):
   """data.num_workers=2, SIGKILL: the workers (~240 MB each) used to live on for minutes."""
   trainer = Trainer(str(tmp_path), steps=200, **{"data.num_workers": 2,

@@ -132,6 +132,7 @@ def test_save_dots_fp8_saves_the_quantized_operands(fake_pallas, fused_mlp):
   assert counts["save_dots_fp8"] == counts["none"] < counts["save_dots"], counts
 
 
+@pytest.mark.slow
 def test_remat_with_fake_kernels_gives_the_same_gradients(fake_pallas):
   """The policies change what is stored, never the values: equal gradients bit for bit.
 

@@ -15,6 +15,8 @@ same initialization and sees the same batches, so differences are paired by seed
 
 import ml_collections
 
+from infir2_jax.config import ConfigError
+
 RECIPES = ("bf16", "fp8_tensorwise", "infir2", "infir2_fp32_scale", "infir2_e5m2_grad")
 
 
@@ -49,5 +51,5 @@ def get_config(variant: str | None = None):
     c.grid.seed = (0, 1)
     c.report.last_k = 3
   elif variant:
-    raise ValueError(f"unknown variant {variant!r} of configs/sweeps/default.py; valid: 'tiny'")
+    raise ConfigError(f"unknown variant {variant!r} of configs/sweeps/default.py; valid: 'tiny'")
   return c

@@ -18,15 +18,15 @@ import os
 
 import ml_collections
 
-from infir2_jax.config import get_config_dict
+from infir2_jax.config import ConfigError, get_config_dict
 
 MOMENTS = ("fp32", "bf16", "fp8")
 
 
 def get_config(variant: str | None = None):
   if variant not in (None, "tiny", "six_seeds"):
-    raise ValueError(f"unknown variant {variant!r} of configs/sweeps/moments.py; valid: "
-                     "'tiny', 'six_seeds'")
+    raise ConfigError(f"unknown variant {variant!r} of configs/sweeps/moments.py; valid: "
+                      "'tiny', 'six_seeds'")
   default = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
   c = get_config_dict(default + (":tiny" if variant == "tiny" else ""))
   c.overrides.precision = dict(c.overrides.precision, recipe="infir2")

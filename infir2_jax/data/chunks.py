@@ -25,6 +25,7 @@ import tokenizers
 
 from infir2_jax.data import sources
 from infir2_jax.data import tokenizer as tokenizer_lib
+from infir2_jax.errors import DataError
 
 OPENERS = {".gz": lambda f: gzip.GzipFile(fileobj=f), ".xz": lzma.LZMAFile, ".bz2": bz2.BZ2File}
 BLOCK = 1 << 20
@@ -154,11 +155,11 @@ def _parquet_values(path, start, column, chunk_bytes):
   try:
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ValueError(f"reading {path} needs pyarrow, which is not installed: "
-                     "`pip install pyarrow`") from None
+    raise DataError(f"reading {path} needs pyarrow, which is not installed: "
+                    "`pip install pyarrow`") from None
   pf = pq.ParquetFile(path)
   if column not in pf.schema_arrow.names:
-    raise ValueError(f"{path} has no column {column!r}; columns: {pf.schema_arrow.names}")
+    raise DataError(f"{path} has no column {column!r}; columns: {pf.schema_arrow.names}")
   pos, values, size = 0, [], 0
   total_rows = max(pf.metadata.num_rows, 1)
   for batch in pf.iter_batches(batch_size=1024, columns=[column]):
@@ -246,8 +247,8 @@ def encode_documents(chunk: Chunk, tok: tokenizers.Tokenizer, cfg: dict) -> Enco
   tokens = {s: cat(out[s][0], dtype) for s in out}
   for s, ids_s in tokens.items():  # readers take every <|endoftext|> for a document's end
     if int(np.count_nonzero(ids_s == cfg["eos"])) != len(out[s][1]):
-      raise ValueError(f"{chunk.where}: the tokenizer made <|endoftext|> (id {cfg['eos']}) "
-                       "out of document text; prepared data needs it only between documents")
+      raise DataError(f"{chunk.where}: the tokenizer made <|endoftext|> (id {cfg['eos']}) "
+                      "out of document text; prepared data needs it only between documents")
   return Encoded(tokens=tokens,
                  lengths={s: np.asarray(out[s][1], np.int64) for s in out},
                  records=len(texts), chars=sum(len(t) for t in texts), bad=bad,

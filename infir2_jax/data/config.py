@@ -2,6 +2,8 @@
 
 import dataclasses
 
+from infir2_jax.errors import ConfigError
+
 QWEN_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 FORMATS = ("pretrain", "chat")
 BAD_RECORDS = ("skip", "raise")
@@ -49,21 +51,21 @@ class DataConfig:
 
   def __post_init__(self):
     if self.format not in FORMATS:
-      raise ValueError(f"data.format={self.format!r} is not one of {FORMATS}")
+      raise ConfigError(f"data.format={self.format!r} is not one of {FORMATS}")
     if self.bad_records not in BAD_RECORDS:
-      raise ValueError(f"data.bad_records={self.bad_records!r} is not one of {BAD_RECORDS}")
+      raise ConfigError(f"data.bad_records={self.bad_records!r} is not one of {BAD_RECORDS}")
     if not 0.0 <= self.val_fraction < 1.0:
-      raise ValueError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
+      raise ConfigError(f"data.val_fraction={self.val_fraction} must be in [0, 1)")
     if not self.source.strip():
-      raise ValueError("data.source is empty; use 'default', a built-in name or file globs")
+      raise ConfigError("data.source is empty; use 'default', a built-in name or file globs")
     if self.shuffle_seed < -1:
-      raise ValueError(f"data.shuffle_seed={self.shuffle_seed} must be >= 0 (or -1 = run seed)")
+      raise ConfigError(f"data.shuffle_seed={self.shuffle_seed} must be >= 0 (or -1 = run seed)")
     for name in ("num_workers", "prefetch"):
       if getattr(self, name) < 0:
-        raise ValueError(f"data.{name}={getattr(self, name)} must be >= 0")
+        raise ConfigError(f"data.{name}={getattr(self, name)} must be >= 0")
     if not self.tokenizer:
-      raise ValueError("data.tokenizer is empty; use 'default', 'qwen2.5' or a path")
+      raise ConfigError("data.tokenizer is empty; use 'default', 'qwen2.5' or a path")
     if self.format == "pretrain" and not self.text_key:
-      raise ValueError("data.text_key is empty")
+      raise ConfigError("data.text_key is empty")
     if self.format == "chat" and not self.messages_key:
-      raise ValueError("data.messages_key is empty")
+      raise ConfigError("data.messages_key is empty")

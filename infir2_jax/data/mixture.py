@@ -19,6 +19,7 @@ import grain
 import numpy as np
 
 from infir2_jax.data import packing
+from infir2_jax.errors import ConfigError
 
 _NAME = re.compile(r"^([A-Za-z_][A-Za-z0-9_.-]*)=(.+)$")
 
@@ -43,15 +44,15 @@ def parse(source: str, val_source: str, mixture: str) -> list[SourceSpec]:
     except ValueError:
       weight = -1.0
     if not name or weight <= 0 or name in weights:
-      raise ValueError(f"data.mixture item {item!r} is not NAME:WEIGHT with a new name and a "
-                       "weight > 0, e.g. data.mixture='web:0.7,math:0.3'")
+      raise ConfigError(f"data.mixture item {item!r} is not NAME:WEIGHT with a new name and a "
+                        "weight > 0, e.g. data.mixture='web:0.7,math:0.3'")
     weights[name] = weight
   train, val = _named(source, "data.source", weights), _named(val_source, "data.val_source",
                                                               weights)
   missing = [n for n in weights if n not in train]
   if missing:
-    raise ValueError(f"data.mixture names {missing} but data.source has no NAME=... items for "
-                     f"them; e.g. data.source='{missing[0]}=/path/to/{missing[0]}'")
+    raise ConfigError(f"data.mixture names {missing} but data.source has no NAME=... items for "
+                      f"them; e.g. data.source='{missing[0]}=/path/to/{missing[0]}'")
   total = sum(weights.values())
   return [SourceSpec(n, train[n], val.get(n, ""), w / total) for n, w in weights.items()]
 
@@ -62,8 +63,8 @@ def _named(spec: str, key: str, weights: dict) -> dict[str, str]:
   for item in (s.strip() for s in spec.split(",") if s.strip()):
     m = _NAME.match(item)
     if not m or m.group(1) not in weights:
-      raise ValueError(f"{key} item {item!r} names no source of data.mixture "
-                       f"({', '.join(weights)}): with a mixture every item is NAME=PATH")
+      raise ConfigError(f"{key} item {item!r} names no source of data.mixture "
+                        f"({', '.join(weights)}): with a mixture every item is NAME=PATH")
     out.setdefault(m.group(1), []).append(m.group(2))
   return {n: ",".join(items) for n, items in out.items()}
 

@@ -34,6 +34,7 @@ from infir2_jax.data import splits
 from infir2_jax.data import tokenizer as tokenizer_lib
 from infir2_jax.data import workers
 from infir2_jax.data.config import DataConfig
+from infir2_jax.errors import ConfigError, DataError
 
 
 @dataclasses.dataclass
@@ -81,8 +82,8 @@ class Data:
     if source is None:
       return self._val_rows
     if source not in self._val_sources:
-      raise ValueError(f"no validation split of source {source!r}; sources with one: "
-                       f"{self.eval_sources}")
+      raise ConfigError(f"no validation split of source {source!r}; sources with one: "
+                        f"{self.eval_sources}")
     return self._val_sources[source]
 
   def num_eval_batches(self, source: str | None = None) -> int:
@@ -100,14 +101,14 @@ class Data:
     rows = self._eval_rows(source)
     available = self.num_eval_batches(source)
     if available == 0:
-      raise ValueError("there is no validation split: set data.val_fraction > 0 or "
-                       "data.val_source")
+      raise DataError("there is no validation split: set data.val_fraction > 0 or "
+                      "data.val_source")
     n = available if not num_batches or num_batches <= 0 else num_batches
     if n > available:
-      raise ValueError(f"asked for {n} validation batches but the validation split has "
-                       f"{available} of {self.global_batch_size}x{self.seq_len} tokens "
-                       f"({rows.num_tokens} tokens); ask for fewer (0 = all) or "
-                       "raise data.val_fraction")
+      raise DataError(f"asked for {n} validation batches but the validation split has "
+                      f"{available} of {self.global_batch_size}x{self.seq_len} tokens "
+                      f"({rows.num_tokens} tokens); ask for fewer (0 = all) or "
+                      "raise data.val_fraction")
     return [_local_batch(_val_ids(len(rows), self.global_batch_size, k),
                          rows=rows, lo=self.process_index * self.local_batch_size,
                          hi=(self.process_index + 1) * self.local_batch_size)
@@ -234,13 +235,13 @@ def _check_rows(spec, built, seq_len: int, global_batch_size: int, mixed: bool) 
   train, val = built.train, built.val
   need = 1 if mixed else global_batch_size  # a mixture's batch takes rows of every source
   if len(train) < need:
-    raise ValueError(f"the training split of {what} has {len(train)} rows of {seq_len} tokens "
-                     f"({train.num_tokens} tokens in {train.num_records} records), fewer than "
-                     f"one global batch of {global_batch_size}{splits.bad_note(built.bad)}")
+    raise DataError(f"the training split of {what} has {len(train)} rows of {seq_len} tokens "
+                    f"({train.num_tokens} tokens in {train.num_records} records), fewer than "
+                    f"one global batch of {global_batch_size}{splits.bad_note(built.bad)}")
   if val is not None and not len(val):
-    raise ValueError(f"the validation split of {spec.val_spec or what} is empty "
-                     f"({val.num_records} records, none fits in seq_len={seq_len}); raise "
-                     "data.val_fraction, give data.val_source, or set data.val_fraction=0")
+    raise DataError(f"the validation split of {spec.val_spec or what} is empty "
+                    f"({val.num_records} records, none fits in seq_len={seq_len}); raise "
+                    "data.val_fraction, give data.val_source, or set data.val_fraction=0")
   if val is not None and len(val) < global_batch_size:
     logging.warning("the validation split of %s has %d rows, fewer than one global batch of %d:"
                     " its only eval batch is padded with empty rows", what, len(val),

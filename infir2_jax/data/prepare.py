@@ -37,6 +37,9 @@ from infir2_jax.data import fetch
 from infir2_jax.data import shards
 from infir2_jax.data import sources
 from infir2_jax.data import tokenizer as tokenizer_lib
+from infir2_jax.data.config import DataConfig
+from infir2_jax import errors
+from infir2_jax.errors import ConfigError, DataError
 
 DEFAULT_SHARD_TOKENS = 1 << 27   # ~134M tokens a part (0.25-0.5 GB)
 DEFAULT_CHUNK_BYTES = 4 << 20    # input bytes handed to a worker at a time
@@ -65,9 +68,9 @@ def _check_settings(out: pathlib.Path, settings: dict) -> None:
     old = json.loads(path.read_text())
     diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
     if diff:
-      raise ValueError(f"{out} was prepared with other settings ({', '.join(diff)} differ, "
-                       "e.g. the input files changed): prepare into a new --out directory, "
-                       "or delete this one")
+      raise DataError(f"{out} was prepared with other settings ({', '.join(diff)} differ, "
+                      "e.g. the input files changed): prepare into a new --out directory, "
+                      "or delete this one")
   else:
     _write_json(path, settings)
 
@@ -91,8 +94,8 @@ class _Writer:
   def add(self, chunk: chunks_lib.Chunk, enc: chunks_lib.Encoded) -> None:
     if enc.bad and self.bad_records == "raise":
       where, reason = enc.bad_examples[0]
-      raise ValueError(f"bad record {where}: {reason} (--bad_records=raise; 'skip' drops "
-                       "bad records and counts them)")
+      raise DataError(f"bad record {where}: {reason} (--bad_records=raise; 'skip' drops "
+                      "bad records and counts them)")
     if chunk.first:
       self._open(chunk.file_index, chunk.part, chunk.start)
     part = self.part
@@ -226,7 +229,7 @@ def run(args) -> dict | None:
   """Prepares this worker's files; returns the index if this worker completed the set."""
   files = sources.resolve_sources(args.source, "pretrain", args.cache_dir)
   if not 0 <= args.worker_index < args.worker_count:
-    raise ValueError(f"--worker_index={args.worker_index} is not in [0, {args.worker_count})")
+    raise ConfigError(f"--worker_index={args.worker_index} is not in [0, {args.worker_count})")
   out = pathlib.Path(args.out).expanduser()
   (out / "shards").mkdir(parents=True, exist_ok=True)
   (out / "files").mkdir(exist_ok=True)
@@ -249,7 +252,23 @@ def run(args) -> dict | None:
   elapsed = time.perf_counter() - t0
   index = finalize(out)
   print(summary(out, index, len(todo), writer.tokens_written, elapsed, args.workers))
+  if index is not None:
+    _check_documents(args, index["totals"])
   return index
+
+
+def _check_documents(args, totals: dict) -> None:
+  """A corpus without documents is an error; one whose validation share held out none (a
+  small corpus) is said so: training with validation on would otherwise fail later."""
+  docs = totals["train_docs"] + totals["val_docs"]
+  bad = ", ".join(f"{k}: {v}" for k, v in sorted(totals["bad"].items())) or "none"
+  if not docs:
+    raise DataError(f"--source={args.source!r} yields no documents ({totals['bad_records']:,} "
+                    f"bad records: {bad}); nothing to train on")
+  if args.val_fraction > 0 and not totals["val_docs"]:
+    logging.warning("warning: --val_fraction=%g held out none of the %d documents: train "
+                    "with --config.data.val_fraction=0 (no validation), or prepare again with "
+                    "a larger --val_fraction", args.val_fraction, docs)
 
 
 def summary(out, index, files_done, tokens, elapsed, workers) -> str:
@@ -274,8 +293,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--tokenizer", default="default", help="as data.tokenizer")
   p.add_argument("--text_key", default="text", help="as data.text_key")
   p.add_argument("--doc_separator", default="", help="as data.doc_separator")
-  p.add_argument("--val_fraction", type=float, default=0.001,
-                 help="share of documents held out for validation (by a hash of the text)")
+  p.add_argument("--val_fraction", type=float, default=DataConfig.val_fraction,
+                 help="share of documents held out for validation (by a hash of the text); "
+                      "the default is data.val_fraction's, so a corpus prepared with it trains "
+                      "with the default config (a large corpus needs far less, e.g. 0.001)")
   p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
                  help="tokenizing processes (default: every core)")
   p.add_argument("--worker_index", type=int, default=0, help="this machine among several")
@@ -288,6 +309,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   p.add_argument("--finalize", action="store_true",
                  help="only write OUT/prepared.json (every worker must be done)")
   p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+  p.add_argument("--debug", action="store_true",
+                 help="show the traceback of a user error, not only its `error:` line (also "
+                      f"{errors.DEBUG_ENV}=1)")
   args = p.parse_args(argv)
   if not 0 <= args.val_fraction < 1:
     p.error(f"--val_fraction={args.val_fraction} must be in [0, 1)")
@@ -298,7 +322,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
   logging.basicConfig(level=logging.INFO, format="%(message)s")
-  run(parse_args(sys.argv[1:] if argv is None else argv))
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  with errors.cli_errors(args.debug or errors.debug_requested()):
+    run(args)
 
 
 if __name__ == "__main__":

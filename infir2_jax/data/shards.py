@@ -32,6 +32,7 @@ import threading
 import numpy as np
 
 from infir2_jax.data import packing
+from infir2_jax.errors import DataError
 
 INDEX = "prepared.json"
 SETTINGS = "settings.json"
@@ -94,13 +95,13 @@ def open_prepared(path: str) -> Prepared:
   index = root / INDEX
   if not index.exists():
     done = len(list((root / "files").glob("*.json"))) if (root / "files").is_dir() else 0
-    raise ValueError(f"{root} is an unfinished preparation ({done} input files done, no "
-                     f"{INDEX}): run the same `python -m infir2_jax.data.prepare` command "
-                     "again to finish it (or `--finalize` once every worker is done)")
+    raise DataError(f"{root} is an unfinished preparation ({done} input files done, no "
+                    f"{INDEX}): run the same `python -m infir2_jax.data.prepare` command "
+                    "again to finish it (or `--finalize` once every worker is done)")
   meta = json.loads(index.read_text())
   if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-    raise ValueError(f"{index} is not a version-{VERSION} {FORMAT} index (got "
-                     f"{meta.get('format')!r} v{meta.get('version')}); prepare it again")
+    raise DataError(f"{index} is not a version-{VERSION} {FORMAT} index (got "
+                    f"{meta.get('format')!r} v{meta.get('version')}); prepare it again")
   dtype = np.dtype(meta["dtype"])
   parts = {s: [] for s in SPLITS}
   for shard in meta["shards"]:
@@ -112,9 +113,9 @@ def open_prepared(path: str) -> Prepared:
       for f, size in ((tok, n * dtype.itemsize), (ends, docs * ENDS_DTYPE.itemsize)):
         got = f.stat().st_size if f.exists() else None
         if got != size:
-          raise ValueError(f"prepared shard {f} is {'missing' if got is None else f'{got} bytes'}"
-                           f", the index says {size} bytes: the directory {root} is damaged; "
-                           "prepare it again into a new directory")
+          raise DataError(f"prepared shard {f} is {'missing' if got is None else f'{got} bytes'}"
+                          f", the index says {size} bytes: the directory {root} is damaged; "
+                          "prepare it again into a new directory")
       parts[split].append(Part(str(tok), str(ends), n, docs))
   return Prepared(str(root), meta["settings"], dtype, parts, meta["totals"])
 
@@ -141,7 +142,7 @@ class _Files:
     size = dtype.itemsize
     data = os.pread(f.fileno(), (hi - lo) * size, lo * size)
     if len(data) != (hi - lo) * size:
-      raise ValueError(f"{path} is shorter than its index says: prepare it again")
+      raise DataError(f"{path} is shorter than its index says: prepare it again")
     return np.frombuffer(data, dtype)
 
 

@@ -16,6 +16,7 @@ import zlib
 
 from infir2_jax.data import corpus
 from infir2_jax.data.config import DataConfig
+from infir2_jax.errors import ConfigError, DataError, NotFound
 
 TEXT_EXTS = (".txt", ".md", ".py")
 RECORD_EXTS = (".jsonl", ".parquet")
@@ -66,8 +67,8 @@ def resolve_sources(spec: str, fmt: str, cache_dir: str = "") -> list[pathlib.Pa
       continue
     if item in PRETRAIN_BUILTINS + CHAT_BUILTINS:
       if item not in builtins:
-        raise ValueError(f"built-in source {item!r} is not {fmt} data; {fmt} built-ins: "
-                         f"{builtins}")
+        raise ConfigError(f"built-in source {item!r} is not {fmt} data; {fmt} built-ins: "
+                          f"{builtins}")
       files.extend(_builtin(item, cache_dir))
       continue
     files.extend(_expand(item))
@@ -77,7 +78,7 @@ def resolve_sources(spec: str, fmt: str, cache_dir: str = "") -> list[pathlib.Pa
       seen.add(f)
       unique.append(f)
   if not unique:
-    raise ValueError(f"data source {spec!r} names no files")
+    raise DataError(f"data source {spec!r} names no files")
   return unique
 
 
@@ -96,22 +97,22 @@ def _expand(item: str) -> list[pathlib.Path]:
   if glob.has_magic(pattern):
     matches = [pathlib.Path(p) for p in sorted(glob.glob(pattern, recursive=True))]
     if not matches:
-      raise ValueError(f"data source glob {item!r} matched no files")
+      raise DataError(f"data source glob {item!r} matched no files")
   else:
     path = pathlib.Path(pattern)
     if not path.exists():
-      raise FileNotFoundError(f"data source {item!r} does not exist (and is not a built-in "
-                              f"name: {PRETRAIN_BUILTINS + CHAT_BUILTINS})")
+      raise NotFound(f"data source {item!r} does not exist (and is not a built-in "
+                     f"name: {PRETRAIN_BUILTINS + CHAT_BUILTINS})")
     matches = sorted(p for p in path.rglob("*")) if path.is_dir() else [path]
     if not path.is_dir() and kind(path) is None:
-      raise ValueError(f"data source {item!r} has an unsupported type; supported: {supported}")
+      raise DataError(f"data source {item!r} has an unsupported type; supported: {supported}")
   files = [p for p in matches if p.is_file() and kind(p) is not None]
   skipped = [p for p in matches if p.is_file() and kind(p) is None]
   if skipped:
     logging.warning("data source %r: skipping %d unsupported files, e.g. %s", item,
                     len(skipped), skipped[0])
   if not files:
-    raise ValueError(f"data source {item!r} has no supported files; supported: {supported}")
+    raise DataError(f"data source {item!r} has no supported files; supported: {supported}")
   return files
 
 
@@ -170,7 +171,7 @@ def read_records(path: pathlib.Path, cfg: DataConfig) -> FileRecords:
   bad: list[tuple[str, str]] = []
   if k == "text":
     if cfg.format == "chat":
-      raise ValueError(f"{path}: chat data must be .jsonl or .parquet records, not text")
+      raise DataError(f"{path}: chat data must be .jsonl or .parquet records, not text")
     sep = cfg.doc_separator.encode("utf-8")
     for i, part in enumerate(data.split(sep) if sep else [data]):
       text, reason = decode_document(part)
@@ -241,11 +242,11 @@ def _parquet(path: pathlib.Path, data: bytes, column: str) -> list[Any]:
     import pyarrow as pa  # pylint: disable=g-import-not-at-top
     import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ValueError(f"reading {path} needs pyarrow, which is not installed: "
-                     "`pip install pyarrow`") from None
+    raise DataError(f"reading {path} needs pyarrow, which is not installed: "
+                    "`pip install pyarrow`") from None
   table = pq.read_table(pa.BufferReader(data))
   if column not in table.column_names:
-    raise ValueError(f"{path} has no column {column!r}; columns: {table.column_names}")
+    raise DataError(f"{path} has no column {column!r}; columns: {table.column_names}")
   return table.column(column).to_pylist()
 
 
@@ -262,8 +263,8 @@ def split_documents(keys: list[str], sizes: list[int],
   if val_fraction <= 0:
     return list(range(len(keys))), []
   if len(keys) < 2:
-    raise ValueError(f"a validation split by document needs >= 2 documents, got {len(keys)}; "
-                     "set data.val_fraction=0, data.doc_separator, or data.val_source")
+    raise DataError(f"a validation split by document needs >= 2 documents, got {len(keys)}; "
+                    "set data.val_fraction=0, data.doc_separator, or data.val_source")
   order = sorted(range(len(keys)), key=lambda i: hashlib.sha256(keys[i].encode()).digest())
   total = sum(sizes)
   target = val_fraction * total

@@ -20,6 +20,7 @@ from infir2_jax.data import shards
 from infir2_jax.data import sources
 from infir2_jax.data import tokenizer as tokenizer_lib
 from infir2_jax.data.config import DataConfig
+from infir2_jax.errors import DataError
 
 RAW_WARN_BYTES = 2 << 30  # raw input above this is better prepared once than loaded per run
 
@@ -64,23 +65,23 @@ def _prepared_items(spec: str) -> list[str]:
   items = [s.strip() for s in spec.split(",") if s.strip()]
   prepared = [i for i in items if shards.is_prepared(i)]
   if prepared and len(prepared) != len(items):
-    raise ValueError(f"data source {spec!r} mixes prepared directories ({prepared[0]}) and raw "
-                     "files: prepare the raw files too, or give each its own name in "
-                     "data.source and weight them with data.mixture")
+    raise DataError(f"data source {spec!r} mixes prepared directories ({prepared[0]}) and raw "
+                    "files: prepare the raw files too, or give each its own name in "
+                    "data.source and weight them with data.mixture")
   return prepared
 
 
 def _open_checked(path: str, cfg: DataConfig, tok) -> shards.Prepared:
   prep = shards.open_prepared(path)
   if cfg.format != "pretrain":
-    raise ValueError(f"{path} is prepared pre-training data; data.format={cfg.format!r} "
-                     "needs raw .jsonl/.parquet records")
+    raise DataError(f"{path} is prepared pre-training data; data.format={cfg.format!r} "
+                    "needs raw .jsonl/.parquet records")
   fp = tokenizer_lib.fingerprint(tok)
   if prep.settings["tokenizer_fingerprint"] != fp:
-    raise ValueError(f"{path} was prepared with tokenizer {prep.settings['tokenizer']!r} "
-                     f"(fingerprint {prep.settings['tokenizer_fingerprint']}), but "
-                     f"data.tokenizer={cfg.tokenizer!r} is {fp}: set data.tokenizer to the "
-                     "one it was prepared with, or prepare it again")
+    raise DataError(f"{path} was prepared with tokenizer {prep.settings['tokenizer']!r} "
+                    f"(fingerprint {prep.settings['tokenizer_fingerprint']}), but "
+                    f"data.tokenizer={cfg.tokenizer!r} is {fp}: set data.tokenizer to the "
+                    "one it was prepared with, or prepare it again")
   return prep
 
 
@@ -88,7 +89,7 @@ def _prepared(cfg, spec, val_spec, tok, special, seq_len) -> SourceRows:
   preps = [_open_checked(p, cfg, tok) for p in _prepared_items(spec)]
   dtype = preps[0].dtype
   if any(p.dtype != dtype for p in preps):
-    raise ValueError(f"the prepared directories of {spec!r} store different token dtypes")
+    raise DataError(f"the prepared directories of {spec!r} store different token dtypes")
   counts = collections.Counter()
   for p in preps:
     counts.update(p.totals["bad"])
@@ -107,10 +108,22 @@ def _prepared(cfg, spec, val_spec, tok, special, seq_len) -> SourceRows:
       counts.update(reason.split(":")[0] for _, reason in bad)
   elif cfg.val_fraction > 0:
     if not any(p.parts["val"] for p in preps):
-      raise ValueError(f"{spec!r} was prepared without a validation split (--val_fraction=0):"
-                       " set data.val_fraction=0 (no validation) or data.val_source")
+      raise DataError(f"{spec!r} has no validation documents: {_how_prepared(preps)}; set "
+                      "data.val_fraction=0 (train without validation), or data.val_source, or "
+                      "prepare it again with a larger --val_fraction")
     val = rows([x for p in preps for x in p.parts["val"]])
   return SourceRows(train, val, bad, counts, prepared=True)
+
+
+def _how_prepared(preps: list[shards.Prepared]) -> str:
+  """"it was prepared with --val_fraction=F, which held out none of its N documents"."""
+  parts = []
+  for p in preps:
+    fraction, docs = p.settings["val_fraction"], p.totals["train_docs"] + p.totals["val_docs"]
+    held = (f", which held out none of its {docs:,} documents" if fraction > 0 else
+            " (no validation split)")
+    parts.append(f"{p.root} was prepared with --val_fraction={fraction:g}{held}")
+  return "; ".join(parts)
 
 
 def encoded_splits(cfg, source, val_source, tok, special):
@@ -128,12 +141,14 @@ def encoded_splits(cfg, source, val_source, tok, special):
     return enc, val, enc.bad + val.bad
   if not enc.keys:
     check_bad(enc.bad, cfg, source)
-    raise ValueError(f"no usable records in {source!r}{bad_note(enc.bad)}")
+    raise DataError(f"no usable records in {source!r}{bad_note(enc.bad)}")
   if cfg.val_fraction > 0 and len(enc.keys) < 2:
     check_bad(enc.bad, cfg, source)
-    raise ValueError(f"a validation split by document needs >= 2 documents, but {source!r} "
-                     f"has {len(enc.keys)} usable record{bad_note(enc.bad)}; set "
-                     "data.val_fraction=0, data.doc_separator, or data.val_source")
+    raise DataError(f"a validation split by document needs >= 2 documents, but {source!r} "
+                    f"has {len(enc.keys)} usable record{bad_note(enc.bad)}; set "
+                    "--config.data.val_fraction=0 (train without validation: evaluation is "
+                    "then off), or data.doc_separator to split it into documents, or "
+                    "data.val_source")
   train_idx, val_idx = sources.split_documents(enc.keys, enc.sizes.tolist(), cfg.val_fraction)
   return enc.select(train_idx), enc.select(val_idx), list(enc.bad)
 
@@ -172,5 +187,5 @@ def check_bad(bad: list[tuple[str, str]], cfg: DataConfig, source: str) -> None:
   examples = "; ".join(f"{w}: {r}" for w, r in bad[:3])
   msg = (f"{len(bad)} bad records in {source!r} ({dict(counts)}), e.g. {examples}")
   if cfg.bad_records == "raise":
-    raise ValueError(msg + " (data.bad_records='raise'; 'skip' drops them)")
+    raise DataError(msg + " (data.bad_records='raise'; 'skip' drops them)")
   logging.warning("%s; skipped (data.bad_records='skip')", msg)

@@ -16,6 +16,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
 from infir2_jax.data import fetch
 from infir2_jax.data import qwen_tokenizer
+from infir2_jax.errors import ConfigError, DataError
 
 DEFAULT_ASSET = pathlib.Path(__file__).parent / "assets" / "bpe8k.json"
 DEFAULT_VOCAB_SIZE = 8192  # a multiple of 128, special tokens included
@@ -56,8 +57,8 @@ def _resolve(name_or_path: str, cache_dir: str) -> str:
   if path.is_dir():
     path = path / "tokenizer.json"
   if not path.is_file():
-    raise ValueError(f"tokenizer {name_or_path!r} is neither one of {NAMES} nor a "
-                     "tokenizer.json file (or a directory holding one)")
+    raise ConfigError(f"tokenizer {name_or_path!r} is neither one of {NAMES} nor a "
+                      "tokenizer.json file (or a directory holding one)")
   return str(path.resolve())
 
 
@@ -66,7 +67,7 @@ def _load(path: str) -> tokenizers.Tokenizer:
   try:
     return tokenizers.Tokenizer.from_file(path)
   except Exception as e:
-    raise ValueError(f"could not load tokenizer {path}: {e}") from e
+    raise DataError(f"could not load tokenizer {path}: {e}") from e
 
 
 def special_ids(tok: tokenizers.Tokenizer) -> SpecialIds:
@@ -77,8 +78,8 @@ def special_ids(tok: tokenizers.Tokenizer) -> SpecialIds:
     if eos is not None:
       break
   if eos is None:
-    raise ValueError("the tokenizer has no end-of-text token (tried <|endoftext|>, </s>, "
-                     "<|end_of_text|>, <eos>, <|eos|>); pre-training needs one between documents")
+    raise DataError("the tokenizer has no end-of-text token (tried <|endoftext|>, </s>, "
+                    "<|end_of_text|>, <eos>, <|eos|>); pre-training needs one between documents")
   return SpecialIds(eos=eos, pad=eos, im_start=tok.token_to_id("<|im_start|>"),
                     im_end=tok.token_to_id("<|im_end|>"))
 

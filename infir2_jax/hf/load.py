@@ -19,6 +19,7 @@ import ml_dtypes  # also registers bfloat16 with numpy for safetensors' reader
 import numpy as np
 from safetensors import safe_open
 
+from infir2_jax.errors import DataError, NotFound
 from infir2_jax.hf.convert import (
     FP8_DEFAULT_BLOCK, FP8_SCALE_SUFFIX, IGNORED_SUFFIXES, TensorSpec, check_compatible,
     fp8_block_size, model_config_from_hf, tensor_specs)
@@ -58,7 +59,7 @@ class SafetensorsReader:
     else:
       files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
       if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
+        raise NotFound(f"no *.safetensors files in {path}")
       self.files = {}
       for file in files:
         with safe_open(os.path.join(path, file), "numpy") as f:
@@ -140,21 +141,21 @@ def _check_tensors(reader: SafetensorsReader, specs: dict[str, TensorSpec],
   available = set(reader.names())
   missing = sorted(wanted - available)
   if missing:
-    raise ValueError(f"HF checkpoint {reader.path} lacks {len(missing)} tensors the config "
-                     f"needs, e.g. {missing[:5]}")
+    raise DataError(f"HF checkpoint {reader.path} lacks {len(missing)} tensors the config "
+                    f"needs, e.g. {missing[:5]}")
   scales = {n for n in available
             if n.endswith(FP8_SCALE_SUFFIX) and n[:-len(FP8_SCALE_SUFFIX)] in wanted}
   extra = sorted(n for n in available - wanted - scales
                  if not n.endswith(IGNORED_SUFFIXES) and n != "lm_head.weight")
   if extra:
-    raise ValueError(f"HF checkpoint {reader.path} has {len(extra)} tensors the model has no "
-                     f"place for (unsupported architecture?), e.g. {extra[:5]}")
+    raise DataError(f"HF checkpoint {reader.path} has {len(extra)} tensors the model has no "
+                    f"place for (unsupported architecture?), e.g. {extra[:5]}")
   for path, spec in specs.items():
     stored = reader.shape(spec.name)
     expected = shapes[path][::-1] if spec.transpose else shapes[path]
     if stored != tuple(expected):
-      raise ValueError(f"HF tensor {spec.name} has shape {stored}, expected {tuple(expected)} "
-                       f"for {path}")
+      raise DataError(f"HF tensor {spec.name} has shape {stored}, expected {tuple(expected)} "
+                      f"for {path}")
 
 
 def _iter_params(path: str, cfg: ModelConfig) -> Iterator[tuple[Any, str, TensorSpec, tuple]]:

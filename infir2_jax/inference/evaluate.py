@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from infir2_jax import errors
 from infir2_jax.data.sft_sources import ANSWER_PREFIX
 from infir2_jax.inference import generate as generate_lib
 from infir2_jax.train.loss import cross_entropy_sums
@@ -166,6 +167,12 @@ def _load(workdir: str, step: int | None, hf_dir: str):
 
 def main(argv):
   from absl import flags  # pylint: disable=g-import-not-at-top
+  with errors.cli_errors(flags.FLAGS.debug or errors.debug_requested()):
+    _main(argv)
+
+
+def _main(argv):
+  from absl import flags  # pylint: disable=g-import-not-at-top
   from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   from infir2_jax.data import load_math_eval, make_data  # pylint: disable=g-import-not-at-top
   del argv
@@ -201,4 +208,6 @@ if __name__ == "__main__":
   flags.DEFINE_integer("max_new_tokens", 256, "Generation budget per problem.")
   flags.DEFINE_integer("show", 3, "Print this many generations.")
   flags.DEFINE_string("out", "", "Write the results with every generation to this JSON file.")
+  flags.DEFINE_bool("debug", False, "Show the traceback of a user error, not only its "
+                    "`error:` line (also INFIR2_DEBUG=1).")
   app.run(main)

@@ -3,6 +3,8 @@
 import dataclasses
 import math
 
+from infir2_jax.errors import ConfigError
+
 
 REMAT_MODES = ("none", "save_dots", "save_dots_fp8", "full")
 
@@ -57,33 +59,34 @@ class ModelConfig:
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads"):
       if getattr(self, name) <= 0:
-        raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
     if self.head_dim < 0:
-      raise ValueError(f"model.head_dim must be >= 0 (0: hidden_size // num_heads), got "
-                       f"{self.head_dim}")
+      raise ConfigError(f"model.head_dim must be >= 0 (0: hidden_size // num_heads), got "
+                        f"{self.head_dim}")
     for name in ("rope_theta", "rms_norm_eps", "init_std"):  # NaN and inf fail too
       if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-        raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
+        raise ConfigError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of "
-                       f"model.num_kv_heads={self.num_kv_heads}")
+      raise ConfigError(f"model.num_heads={self.num_heads} must be a multiple of "
+                        f"model.num_kv_heads={self.num_kv_heads}")
     if not self.head_dim and self.hidden_size % self.num_heads:
-      raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
-                       f"model.num_heads={self.num_heads}; set model.head_dim explicitly")
+      raise ConfigError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                        f"model.num_heads={self.num_heads}; set model.head_dim explicitly")
     if self.attention not in ("xla", "cudnn", "auto"):
-      raise ValueError(f"model.attention={self.attention!r}; valid: 'xla', 'cudnn', 'auto'")
+      raise ConfigError(f"model.attention={self.attention!r}; valid: 'xla', 'cudnn', 'auto'")
     if self.max_documents < 1:
-      raise ValueError(f"model.max_documents must be >= 1, got {self.max_documents}")
+      raise ConfigError(f"model.max_documents must be >= 1, got {self.max_documents}")
     if self.loss_chunk < 0:
-      raise ValueError(f"model.loss_chunk must be >= 0 (0: no chunking), got {self.loss_chunk}")
+      raise ConfigError(f"model.loss_chunk must be >= 0 (0: no chunking), got {self.loss_chunk}")
     if self.attention_mask not in ("document", "causal"):
-      raise ValueError(f"model.attention_mask={self.attention_mask!r}; valid: 'document', "
-                       "'causal'")
+      raise ConfigError(f"model.attention_mask={self.attention_mask!r}; valid: 'document', "
+                        "'causal'")
     if self.remat not in REMAT_MODES:
-      raise ValueError(f"model.remat={self.remat!r}; valid: {', '.join(map(repr, REMAT_MODES))}")
+      raise ConfigError(f"model.remat={self.remat!r}; valid: {', '.join(map(repr, REMAT_MODES))}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"model.{name}={getattr(self, name)!r}; valid: float32, bfloat16, float16")
+        raise ConfigError(
+            f"model.{name}={getattr(self, name)!r}; valid: float32, bfloat16, float16")
 
   @property
   def head_size(self) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from jax.sharding import Mesh
 
+from infir2_jax.errors import ConfigError
 from infir2_jax.parallel import mesh as mesh_lib
 from infir2_jax.precision.config import PrecisionConfig, resolve_recipe
 from infir2_jax.precision.quantize import resolve_tile
@@ -130,7 +131,7 @@ def check_fp8_alignment(projections: Sequence[Projection], mesh: Mesh, rules,
   """Raises ValueError (mode "error"), logs a warning ("warn") or does nothing ("off") when
   an FP8 tile would straddle a shard boundary; returns the problems found."""
   if mode not in mesh_lib.FP8_ALIGNMENT_MODES:
-    raise ValueError(f"mode={mode!r}; valid: {mesh_lib.FP8_ALIGNMENT_MODES}")
+    raise ConfigError(f"mode={mode!r}; valid: {mesh_lib.FP8_ALIGNMENT_MODES}")
   if mode == "off":
     return []
   problems = fp8_alignment_problems(projections, mesh, rules, precision,
@@ -144,6 +145,6 @@ def check_fp8_alignment(projections: Sequence[Projection], mesh: Mesh, rules,
              "layers in bf16 (precision.overrides), or set mesh.fp8_alignment='warn' to let "
              "XLA gather the operands before quantizing (slower, same numbers).")
   if mode == "error":
-    raise ValueError(message)
+    raise ConfigError(message)
   logging.warning("%s", message)
   return problems

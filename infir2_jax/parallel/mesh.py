@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from infir2_jax.errors import ConfigError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 FP8_ALIGNMENT_MODES = ("error", "warn", "off")
 
@@ -44,16 +46,16 @@ DEFAULT_RULES: Rules = (
 def _parse_rule(entry: str) -> tuple[str, Any]:
   """'logical=axis[+axis]' (or 'logical=' for replicated) -> (logical, mesh axes)."""
   if not isinstance(entry, str) or "=" not in entry:
-    raise ValueError(f"mesh.rules entry {entry!r} must look like 'logical=axis[+axis]' "
-                     "(e.g. 'embed=fsdp', 'batch=data+fsdp', 'vocab=' to replicate)")
+    raise ConfigError(f"mesh.rules entry {entry!r} must look like 'logical=axis[+axis]' "
+                      "(e.g. 'embed=fsdp', 'batch=data+fsdp', 'vocab=' to replicate)")
   name, axes = (s.strip() for s in entry.split("=", 1))
   mesh_axes = tuple(a.strip() for a in axes.split("+") if a.strip())
   for a in mesh_axes:
     if a not in MESH_AXES:
-      raise ValueError(f"mesh.rules entry {entry!r}: unknown mesh axis {a!r}; valid: {MESH_AXES}")
+      raise ConfigError(f"mesh.rules entry {entry!r}: unknown mesh axis {a!r}; valid: {MESH_AXES}")
   if name not in dict(DEFAULT_RULES):
-    raise ValueError(f"mesh.rules entry {entry!r}: unknown logical axis {name!r}; valid: "
-                     f"{[n for n, _ in DEFAULT_RULES]}")
+    raise ConfigError(f"mesh.rules entry {entry!r}: unknown logical axis {name!r}; valid: "
+                      f"{[n for n, _ in DEFAULT_RULES]}")
   return name, None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
 
 
@@ -70,27 +72,27 @@ class MeshConfig:
   def __post_init__(self):
     sizes = (self.data, self.fsdp, self.tensor)
     if sum(s == -1 for s in sizes) > 1:
-      raise ValueError(f"at most one of mesh.data/fsdp/tensor may be -1, got {sizes}")
+      raise ConfigError(f"at most one of mesh.data/fsdp/tensor may be -1, got {sizes}")
     if any(s == 0 or s < -1 for s in sizes):
-      raise ValueError(f"mesh sizes must be positive or -1, got {sizes}")
+      raise ConfigError(f"mesh sizes must be positive or -1, got {sizes}")
     if isinstance(self.rules, str):
-      raise ValueError(f"mesh.rules={self.rules!r} must be a tuple of 'logical=axis' strings")
+      raise ConfigError(f"mesh.rules={self.rules!r} must be a tuple of 'logical=axis' strings")
     object.__setattr__(self, "rules", tuple(self.rules))
     for entry in self.rules:
       _parse_rule(entry)
     if self.fp8_alignment not in FP8_ALIGNMENT_MODES:
-      raise ValueError(f"mesh.fp8_alignment={self.fp8_alignment!r}; valid: {FP8_ALIGNMENT_MODES}")
+      raise ConfigError(f"mesh.fp8_alignment={self.fp8_alignment!r}; valid: {FP8_ALIGNMENT_MODES}")
 
   def shape(self, num_devices: int) -> tuple[int, int, int]:
     sizes = [self.data, self.fsdp, self.tensor]
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
       if num_devices % known:
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} cannot fill {num_devices} devices")
+        raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))} cannot fill {num_devices} devices")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
-      raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
-                       f"but {num_devices} are available")
+      raise ConfigError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+                        f"but {num_devices} are available")
     return tuple(sizes)
 
 
@@ -101,7 +103,13 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
   `devices` may be compile-only devices (jax.experimental.topologies) for AOT compilation.
   """
   devices = list(jax.devices() if devices is None else devices)
-  shape = cfg.shape(len(devices))
+  try:
+    shape = cfg.shape(len(devices))
+  except ConfigError as e:
+    if devices[0].platform != "cpu":
+      raise
+    raise ConfigError(f"{e}; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N in "
+                      "the environment of the command gives it N CPU devices") from None
   auto = (AxisType.Auto,) * len(MESH_AXES)
   if devices == list(jax.devices()):
     return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
@@ -142,7 +150,7 @@ def logical_rules(cfg: MeshConfig, model_cfg=None, mesh: Mesh | None = None) -> 
       rules["kv_heads"] = rules["act_kv_heads"] = None
     head_ways = ways(mesh, mesh_axes_of(tuple(rules.items()), "heads"))
     if model_cfg.num_heads % head_ways:
-      raise ValueError(
+      raise ConfigError(
           f"model.num_heads={model_cfg.num_heads} does not split over the {head_ways}-way "
           f"mesh axes {rules['heads']} (tensor parallelism splits whole heads); choose "
           f"mesh.tensor among the divisors of {model_cfg.num_heads}")

@@ -3,6 +3,7 @@
 import dataclasses
 import re
 
+from infir2_jax.errors import ConfigError
 from infir2_jax.precision import gemm
 from infir2_jax.precision.recipes import Recipe, get_recipe, recipe_names
 
@@ -13,16 +14,16 @@ HEAD_PATH_RE = re.compile(r"(^|/)(lm_head|embed_tokens)(/|$)")
 def parse_override(override: str) -> tuple[re.Pattern, str]:
   """"REGEX=RECIPE" -> (compiled regex, recipe name); the last '=' splits."""
   if not isinstance(override, str) or "=" not in override:
-    raise ValueError(f"precision.overrides entry {override!r}: expected 'REGEX=RECIPE', e.g. "
-                     "'layers_(0|27)/=bf16'")
+    raise ConfigError(f"precision.overrides entry {override!r}: expected 'REGEX=RECIPE', e.g. "
+                      "'layers_(0|27)/=bf16'")
   pattern, name = override.rsplit("=", 1)
   try:
     regex = re.compile(pattern)
   except re.error as e:
-    raise ValueError(f"precision.overrides entry {override!r}: bad regex {pattern!r}: {e}") from e
+    raise ConfigError(f"precision.overrides entry {override!r}: bad regex {pattern!r}: {e}") from e
   if name not in recipe_names():
-    raise ValueError(f"precision.overrides entry {override!r}: unknown recipe {name!r}; "
-                     f"valid: {recipe_names()}")
+    raise ConfigError(f"precision.overrides entry {override!r}: unknown recipe {name!r}; "
+                      f"valid: {recipe_names()}")
   return regex, name
 
 
@@ -55,17 +56,17 @@ class PrecisionConfig:
 
   def __post_init__(self):
     if isinstance(self.overrides, str):
-      raise ValueError(f"precision.overrides={self.overrides!r} must be a tuple of "
-                       "'REGEX=RECIPE' strings, not one string")
+      raise ConfigError(f"precision.overrides={self.overrides!r} must be a tuple of "
+                        "'REGEX=RECIPE' strings, not one string")
     object.__setattr__(self, "overrides", tuple(self.overrides))
     if self.recipe not in recipe_names():
-      raise ValueError(f"precision.recipe={self.recipe!r}; valid: {recipe_names()}")
+      raise ConfigError(f"precision.recipe={self.recipe!r}; valid: {recipe_names()}")
     for override in self.overrides:
       parse_override(override)
     gemm.check_backend(self.backend)
     if not isinstance(self.telemetry_every_steps, int) or self.telemetry_every_steps < 0:
-      raise ValueError(f"precision.telemetry_every_steps={self.telemetry_every_steps!r}: must "
-                       "be an int >= 0 (0 = off)")
+      raise ConfigError(f"precision.telemetry_every_steps={self.telemetry_every_steps!r}: must "
+                        "be an int >= 0 (0 = off)")
 
 
 def resolve_recipe(cfg: PrecisionConfig, path: str) -> Recipe:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from infir2_jax.errors import ConfigError
 from infir2_jax.precision.quantize import QTensor, expand_scale, resolve_tile
 
 Operand = "QTensor | jax.Array"
@@ -35,7 +36,7 @@ _NT = (((1,), (1,)), ((), ()))
 
 def check_backend(backend: str) -> str:
   if backend not in BACKENDS:
-    raise ValueError(f"precision backend {backend!r}; valid: {list(BACKENDS)}")
+    raise ConfigError(f"precision backend {backend!r}; valid: {list(BACKENDS)}")
   return backend
 
 

@@ -13,6 +13,7 @@ None the whole tensor.
 
 import dataclasses
 
+from infir2_jax.errors import ConfigError
 from infir2_jax.precision import formats
 from infir2_jax.precision.quantize import Tile, resolve_tile
 
@@ -119,7 +120,7 @@ def get_recipe(name: "str | Recipe") -> Recipe:
   if isinstance(name, Recipe):
     return name
   if name not in _REGISTRY:
-    raise ValueError(f"unknown precision recipe {name!r}; valid: {recipe_names()}")
+    raise ConfigError(f"unknown precision recipe {name!r}; valid: {recipe_names()}")
   return _REGISTRY[name]
 
 

@@ -19,9 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 
 from infir2_jax.config import CheckpointConfig
 from infir2_jax.data import checkpoint as data_checkpoint
+from infir2_jax.errors import UserError
 from infir2_jax.train import integrity, rundir
 
 
@@ -38,11 +40,11 @@ class _NoItemMetadataWarning(logging.Filter):
 logging.getLogger("absl").addFilter(_NoItemMetadataWarning())
 
 
-class DiskFullError(OSError):
+class DiskFullError(UserError, OSError):
   """A checkpoint that does not fit on its disk; the message names the directory and sizes."""
 
 
-class NoRestorableCheckpoint(RuntimeError):
+class NoRestorableCheckpoint(UserError, RuntimeError):
   """Every checkpoint of a run failed to restore (each was moved aside)."""
 
 
@@ -50,23 +52,31 @@ class Checkpointer:
   """Saves {state, data-iterator} at a step; restores the latest one into given shardings.
 
   With `owner` (the trainer, holding the run directory's lock) it first removes what killed
-  saves left behind (orbax's `*.orbax-checkpoint-tmp` folders).
+  saves left behind (orbax's `*.orbax-checkpoint-tmp` folders). Checkpoints of `keep_steps`
+  are kept beyond checkpoint.keep (the last before a wsd decay: a continued run may restart
+  from it, train/continuation.py).
   """
 
-  def __init__(self, workdir: str, cfg: CheckpointConfig, owner: bool = False):
+  def __init__(self, workdir: str, cfg: CheckpointConfig, owner: bool = False,
+               keep_steps: tuple[int, ...] = ()):
     self.workdir = workdir
     self.directory = rundir.checkpoints_dir(workdir)
     self.cfg = cfg
+    self.keep_steps = tuple(keep_steps)
     self._primary = jax.process_index() == 0
     if owner and self._primary:
       rundir.remove_tmp_leftovers(workdir)
     async_options = (ocp.AsyncOptions(post_finalization_callback=self._seal_pending)
                      if cfg.async_save else None)
+    keep = dict(max_to_keep=cfg.keep)
+    if self.keep_steps:
+      keep = dict(preservation_policy=preservation.AnyPreservationPolicy(
+          [preservation.LatestN(cfg.keep), preservation.CustomSteps(self.keep_steps)]))
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save,
-            async_options=async_options, create=True))
+            enable_async_checkpointing=cfg.async_save, async_options=async_options,
+            create=True, **keep))
     self._state_bytes = None
 
   def latest_step(self) -> int | None:

@@ -16,6 +16,7 @@ import tokenize
 import typing
 
 from infir2_jax.config import TrainConfig
+from infir2_jax.precision.recipes import recipe_names
 
 
 def _attributes(docstring: str | None) -> dict[str, str]:
@@ -85,4 +86,7 @@ def reference(width: int = 100) -> str:
     head = f"  --config.{key}={default!r}"
     lines.append(textwrap.fill(doc, width, initial_indent=f"{head}  ", subsequent_indent=" " * 6,
                                break_long_words=False) if doc else head)
+  lines.append(textwrap.fill(
+      "Precision recipes (--config.precision.recipe=NAME, and NAME in precision.overrides): "
+      + ", ".join(recipe_names()), width, subsequent_indent="  "))
   return "\n".join(lines) + "\n"

@@ -1,4 +1,5 @@
-"""Metrics sinks: a console progress bar, TensorBoard event files and WORKDIR/metrics.jsonl.
+"""Metrics sinks: a console progress bar, TensorBoard event files and WORKDIR/metrics.jsonl
+(and W&B / MLflow when asked for, train/loggers.py).
 
 A killed run loses nothing a checkpoint covers: the event file is flushed before each
 checkpoint, a resumed writer hides (TensorBoard's purge) what the killed one logged after
@@ -18,7 +19,7 @@ import jax
 from tqdm.auto import tqdm
 
 from infir2_jax.config import LogConfig
-from infir2_jax.train import rundir
+from infir2_jax.train import loggers, rundir
 
 # Dense bf16 peak per device used for MFU when log.peak_tflops is 0.
 _PEAK_TFLOPS_BY_KIND = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0,
@@ -41,12 +42,14 @@ class MetricsWriter:
   Only process 0 writes; the others keep quiet.
   """
 
-  def __init__(self, workdir: str, cfg: LogConfig, total_steps: int, start_step: int = 0):
-    self.cfg = cfg
+  def __init__(self, workdir: str, cfg: LogConfig, total_steps: int, start_step: int = 0,
+               run_config: dict | None = None):
+    self.cfg, self.workdir = cfg, workdir
     self.active = jax.process_index() == 0
-    self._jsonl = self._tb = self._bar = None
+    self._jsonl = self._tb = self._bar = self._trackers = None
     if not self.active:
       return
+    self._trackers = loggers.Trackers(cfg, workdir, run_config)  # W&B / MLflow, if asked
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, rundir.METRICS_FILE)
     _end_last_line(path)
@@ -75,10 +78,13 @@ class MetricsWriter:
       for key, value in scalars.items():
         if isinstance(value, (int, float)):
           self._tb.add_scalar(key, value, step)
+    self._trackers.log(step, scalars)
     if not console:
       return
     if "eval_loss" in scalars:
-      self.print(f"step {step}: eval_loss {scalars['eval_loss']:.4f}")
+      ppl = scalars.get("eval_perplexity")
+      self.print(f"step {step}: eval_loss {scalars['eval_loss']:.4f}"
+                 + (f" (perplexity {ppl:.4g})" if isinstance(ppl, float) else ""))
       return
     if self._bar is None and self.cfg.progress_bar:  # created late: start-up lines come first
       self._bar = _progress_bar(**self._bar_args)
@@ -105,6 +111,8 @@ class MetricsWriter:
       self._jsonl.flush()
 
   def close(self) -> None:
+    if self._trackers is not None:
+      self._trackers.close()
     if self._bar is not None:
       self._bar.close()
     if self._tb is not None:
@@ -192,6 +200,11 @@ class _LineProgress:
 
   def close(self) -> None:
     self._line(time.perf_counter())
+
+
+def perplexity(loss: float) -> float:
+  """exp(mean token loss): the inverse geometric mean of the target tokens' probabilities."""
+  return math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf
 
 
 def _to_python(value):

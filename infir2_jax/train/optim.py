@@ -18,7 +18,28 @@ def _decay_steps(cfg: OptConfig, total_steps: int) -> int:
   return max(int(round(total_steps * cfg.decay_fraction)), 1)
 
 
-def warmup_steps(cfg: OptConfig, total_steps: int) -> int:
+def schedule_length(cfg: OptConfig, total_steps: int) -> int:
+  """The steps the schedule is laid out over: opt.schedule_steps, else the run's steps."""
+  return cfg.schedule_steps or total_steps
+
+
+def stable_end(cfg: OptConfig, total_steps: int) -> int | None:
+  """The last step trained before the decay lowers the lr (wsd: warm-up + stable; cosine:
+  the warm-up), None for the constant schedule. Steps are 1-based: step N trains with
+  schedule(N - 1)."""
+  length = schedule_length(cfg, total_steps)
+  if cfg.schedule == "constant":
+    return None
+  if cfg.schedule == "cosine":
+    return warmup_steps(cfg, length, warn=False) + 1
+  return length - _decay_steps(cfg, length) + 1
+
+
+def final_lr(cfg: OptConfig) -> float:
+  return cfg.lr if cfg.schedule == "constant" else cfg.lr * cfg.min_lr_ratio
+
+
+def warmup_steps(cfg: OptConfig, total_steps: int, warn: bool = True) -> int:
   """opt.warmup_steps, shortened (with a warning) where the run would not leave warm-up.
 
   The warm-up may take at most the steps before the decay: wsd keeps its last
@@ -29,8 +50,8 @@ def warmup_steps(cfg: OptConfig, total_steps: int) -> int:
   limit = (total_steps - _decay_steps(cfg, total_steps) if cfg.schedule == "wsd"
            else total_steps // 2)
   limit = max(limit, 0)
-  if cfg.warmup_steps <= limit:
-    return cfg.warmup_steps
+  if cfg.warmup_steps <= limit or not warn:
+    return min(cfg.warmup_steps, limit)
   warnings.warn(
       f"opt.warmup_steps={cfg.warmup_steps} does not fit a {total_steps}-step run with the "
       f"{cfg.schedule!r} schedule; warming up over {limit} steps instead (set "
@@ -38,9 +59,11 @@ def warmup_steps(cfg: OptConfig, total_steps: int) -> int:
   return limit
 
 
-def make_schedule(cfg: OptConfig, total_steps: int) -> optax.Schedule:
-  """Learning rate as a function of the optimizer step."""
-  warmup = warmup_steps(cfg, total_steps)
+def make_schedule(cfg: OptConfig, total_steps: int, warn: bool = True) -> optax.Schedule:
+  """Learning rate as a function of the optimizer step (0-based: step N trains with
+  schedule(N - 1)), laid out over schedule_length(); later steps keep the final lr."""
+  total_steps = schedule_length(cfg, total_steps)
+  warmup = warmup_steps(cfg, total_steps, warn)
   final_lr = cfg.lr * cfg.min_lr_ratio
   if cfg.schedule == "cosine":
     return optax.warmup_cosine_decay_schedule(

@@ -25,11 +25,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from infir2_jax.errors import UserError
+
 ENV = "INFIR2_MEMORY_PREFLIGHT"
 GIB = 2**30
 
 
-class InsufficientMemoryError(RuntimeError):
+class InsufficientMemoryError(UserError, RuntimeError):
   """The train step needs more memory than the devices have."""
 
 

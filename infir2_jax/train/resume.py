@@ -14,6 +14,7 @@ from typing import Any
 import ml_collections
 
 from infir2_jax.config import TrainConfig
+from infir2_jax.errors import ConfigError
 from infir2_jax.train import rundir
 
 # Read only for a new run: a resumed run's state comes from its checkpoint.
@@ -23,7 +24,7 @@ _DATA_STREAM = ("seed", "batch_size", "seq_len", "data.")
 _NOT_DATA_STREAM = ("data.num_workers", "data.prefetch", "data.cache_dir")
 
 
-class ResumeConfigError(ValueError):
+class ResumeConfigError(ConfigError):
   """The config cannot resume the run's checkpoints (the train state has another shape)."""
 
 
@@ -58,7 +59,9 @@ def _with(values: dict[str, Any], key: str, value) -> dict[str, Any]:
   return out
 
 
-def _config(values: dict[str, Any]) -> TrainConfig:
+def config_of(values: dict[str, Any]) -> TrainConfig:
+  """The TrainConfig of a config.json's values (keys older code had and this one lacks are
+  dropped)."""
   known = _flat(TrainConfig().to_dict())
   kept = {k: v for k, v in _flat(values).items() if k in known}  # keys of older code dropped
   tree: dict[str, Any] = {}
@@ -84,13 +87,13 @@ def check(cfg: TrainConfig, workdir: str,
   changes = changed_keys(old, cfg.to_dict())
   if not changes:
     return {}
-  old_cfg = _config(old)
+  old_cfg = config_of(old)
   if structure(old_cfg) == structure(cfg):
     return changes
   culprits = []
   for key, (_, value) in changes.items():
     try:
-      if structure(_config(_with(old, key, value))) != structure(old_cfg):
+      if structure(config_of(_with(old, key, value))) != structure(old_cfg):
         culprits.append(key)
     except ValueError:  # not valid on its own: it changes along with another key
       culprits.append(key)

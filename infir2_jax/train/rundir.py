@@ -10,6 +10,11 @@
   WORKDIR/checkpoints/<step>/data    the data iterator's state (grain)
   WORKDIR/checkpoints/<step>/checksums.json   sha256 of each file of the step (integrity.py)
   WORKDIR/checkpoints_damaged/<step>  checkpoints that failed to restore, moved aside
+  WORKDIR/checkpoints_rewound/<step>  checkpoints after the one a continued run restarted
+                                     from (opt.rewind_to_stable), moved aside
+  WORKDIR/profile/                   traces of the steps profile.* asked for (jax.profiler)
+  WORKDIR/trackers.json              W&B / MLflow run ids (log.wandb, log.mlflow): a resume
+                                     logs to the same tracker run
   WORKDIR/.lock                      held (flock) by the trainer of the run: pid and host
 """
 
@@ -17,6 +22,8 @@ import json
 import os
 import shutil
 from typing import Any
+
+from infir2_jax.errors import ConfigError, NotFound
 
 CONFIG_FILE = "config.json"
 CONFIG_CHANGES_FILE = "config_changes.jsonl"
@@ -26,6 +33,9 @@ SUPERSEDED_METRICS_FILE = "metrics_superseded.jsonl"
 TENSORBOARD_DIR = "tb"
 CHECKPOINTS_DIR = "checkpoints"
 DAMAGED_DIR = "checkpoints_damaged"
+REWOUND_DIR = "checkpoints_rewound"
+PROFILE_DIR = "profile"
+TRACKERS_FILE = "trackers.json"
 LOCK_FILE = ".lock"
 STATE_ITEM = "state"   # orbax item names inside a checkpoint step
 DATA_ITEM = "data"
@@ -65,8 +75,8 @@ def read_config(workdir: str):
   from infir2_jax.config import TrainConfig  # pylint: disable=g-import-not-at-top
   values = config_dict(workdir)
   if values is None:
-    raise FileNotFoundError(f"{os.path.join(workdir, CONFIG_FILE)} not found: is {workdir} "
-                            "a run directory?")
+    raise NotFound(f"{os.path.join(workdir, CONFIG_FILE)} not found: is {workdir} "
+                   "a run directory?")
   return TrainConfig.from_config_dict(ml_collections.ConfigDict(values))
 
 
@@ -123,6 +133,33 @@ def remove_tmp_leftovers(workdir: str) -> list[str]:
   return removed
 
 
+def missing_root(workdir: str) -> str | None:
+  """The outermost folder of `workdir`'s path that does not exist yet (None: it exists)."""
+  path, root = os.path.abspath(workdir), None
+  while not os.path.exists(path):
+    root, path = path, os.path.dirname(path)
+  return root
+
+
+def remove_unused(workdir: str, created: str | None) -> bool:
+  """After a failed start in a new (or empty) workdir: removes what the start created, unless
+  a run wrote something there (a committed checkpoint, a metrics row). `created` is the
+  folder missing_root() named before the start (None: workdir existed, empty; only its
+  contents go). Returns whether anything was removed."""
+  if not os.path.isdir(workdir) or checkpoint_steps(workdir):
+    return False
+  metrics = os.path.join(workdir, METRICS_FILE)
+  if os.path.exists(metrics) and os.path.getsize(metrics):
+    return False
+  if created is not None:
+    shutil.rmtree(created, ignore_errors=True)
+  else:
+    for name in os.listdir(workdir):
+      path = os.path.join(workdir, name)
+      shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+  return True
+
+
 def damaged_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), DAMAGED_DIR)
 
@@ -130,6 +167,16 @@ def damaged_dir(workdir: str) -> str:
 def damaged_path(workdir: str, step: int) -> str:
   """A free name for checkpoint `step` under checkpoints_damaged/: <step>, <step>-1, ..."""
   base = os.path.join(damaged_dir(workdir), str(step))
+  path, n = base, 0
+  while os.path.exists(path):
+    n += 1
+    path = f"{base}-{n}"
+  return path
+
+
+def rewound_path(workdir: str, step: int) -> str:
+  """A free name for checkpoint `step` under checkpoints_rewound/: <step>, <step>-1, ..."""
+  base = os.path.join(os.path.abspath(workdir), REWOUND_DIR, str(step))
   path, n = base, 0
   while os.path.exists(path):
     n += 1
@@ -148,12 +195,12 @@ def checkpoint_item(workdir: str, step: int | None = None,
   """(WORKDIR/checkpoints/<step>/<item>, step); step None = the latest."""
   steps = checkpoint_steps(workdir)
   if not steps:
-    raise FileNotFoundError(f"no checkpoints in {checkpoints_dir(workdir)}")
+    raise NotFound(f"no checkpoints in {checkpoints_dir(workdir)}")
   if step is None:
     step = steps[-1]
   elif step not in steps:
-    raise ValueError(f"step {step} is not a checkpoint in {checkpoints_dir(workdir)}; "
-                     f"available: {steps}")
+    raise ConfigError(f"step {step} is not a checkpoint in {checkpoints_dir(workdir)}; "
+                      f"available: {steps}")
   return os.path.join(checkpoints_dir(workdir), str(step), item), step
 
 

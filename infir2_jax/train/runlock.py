@@ -14,10 +14,11 @@ import socket
 
 import jax
 
+from infir2_jax.errors import UserError
 from infir2_jax.train import rundir
 
 
-class RunDirLocked(RuntimeError):
+class RunDirLocked(UserError, RuntimeError):
   """Another live trainer holds the run directory."""
 
 

@@ -9,7 +9,11 @@ next.
 
 import contextlib
 import logging
+import math
+import os
 import shlex
+import shutil
+import sys
 import time
 
 import jax
@@ -17,9 +21,10 @@ import numpy as np
 
 from infir2_jax.config import TrainConfig
 from infir2_jax.data import packing
+from infir2_jax.errors import DataError
 from infir2_jax.model import projections
 from infir2_jax.precision import gemm, resolve_recipe
-from infir2_jax.train import rundir
+from infir2_jax.train import continuation, rundir
 
 # How the compiled HLO names a Pallas Mosaic GPU kernel call.
 MOSAIC_GPU_CALL = 'custom_call_target="mosaic_gpu'
@@ -55,14 +60,19 @@ def eval_batch_count(cfg: TrainConfig, data, log=print) -> int:
   """Validation batches per evaluation: eval.batches, or all there are when fewer (said so).
 
   A config written for a large corpus (configs/1p5b.py asks for 8) still runs on a small
-  one; 0 evaluations are asked for when eval.every_steps is 0.
+  one; 0 evaluations are asked for when eval.every_steps is 0, and when data.val_fraction=0
+  without data.val_source asked for no validation split (one change turns validation off).
   """
   if cfg.eval.every_steps <= 0:
     return 0
   available = data.num_eval_batches()
+  if available == 0 and cfg.data.val_fraction == 0 and not cfg.data.val_source:
+    log("note: data.val_fraction=0 (and no data.val_source): no validation split, so no "
+        "evaluation (eval.every_steps is ignored)")
+    return 0
   if available == 0:
-    raise ValueError("eval.every_steps > 0 but there is no validation split: set "
-                     "data.val_fraction > 0 or data.val_source, or --config.eval.every_steps=0")
+    raise DataError("eval.every_steps > 0 but there is no validation split: set "
+                    "data.val_fraction > 0 or data.val_source, or --config.eval.every_steps=0")
   wanted = cfg.eval.batches if cfg.eval.batches > 0 else available
   if wanted > available:
     log(f"note: eval.batches={wanted} but the validation split has {available} batch(es) of "
@@ -140,6 +150,16 @@ def _duration(seconds: float) -> str:
   return f"{minutes} min {s} s" if minutes else f"{seconds:.1f} s"
 
 
+def python_command() -> str:
+  """How to name this interpreter on the next command line: `python` when that is it on PATH
+  (an active venv), else its path (`.venv/bin/python` when run as that from the repo)."""
+  on_path = shutil.which("python")
+  if on_path and os.path.abspath(on_path) == os.path.abspath(sys.executable):
+    return "python"
+  relative = os.path.relpath(sys.executable)
+  return relative if not relative.startswith("..") else sys.executable
+
+
 def closing_summary(cfg: TrainConfig, workdir: str, last: dict, *, start_step: int,
                     wall_s: float, startup_s: float) -> str:
   """The run's last message: what it reached, how long it took, where it is, what next."""
@@ -148,21 +168,22 @@ def closing_summary(cfg: TrainConfig, workdir: str, last: dict, *, start_step: i
   if "loss" in last:
     losses.append(f"loss {last['loss']:.4f}")
   if "eval_loss" in last:
-    losses.append(f"eval_loss {last['eval_loss']:.4f}")
+    losses.append(f"eval_loss {last['eval_loss']:.4f} (perplexity "
+                  f"{math.exp(min(last['eval_loss'], 700)):.4g})")
   head = (f"done: steps {start_step + 1}-{cfg.steps} in {_duration(wall_s)} "
           f"(start-up {_duration(startup_s)})" if ran > 0 else
           f"done: nothing to run, {workdir} had finished its {cfg.steps} steps")
   steps = rundir.checkpoint_steps(workdir) if jax.process_index() == 0 else []
   where = f"checkpoint {steps[-1]}" if steps else "no checkpoint"
-  wd = shlex.quote(workdir)
+  wd, py = shlex.quote(workdir), shlex.quote(python_command())
   lines = [head + (": " + ", ".join(losses) if losses else ""),
            f"run directory {workdir}: metrics.jsonl, tb/, {where}",
            "next:",
-           f"  python -m infir2_jax.ablation.plot_run {wd}    # loss curves -> {wd}/loss.png",
-           f"  python -m infir2_jax.generate --workdir={wd} --prompt='...'",
-           f"  python -m infir2_jax.export --workdir={wd} --out={wd}/hf [--fp8]"]
+           f"  {py} -m infir2_jax.ablation.plot_run {wd}    # loss curves -> {wd}/loss.png",
+           f"  {py} -m infir2_jax.generate --workdir={wd} --prompt='...'",
+           f"  {py} -m infir2_jax.export --workdir={wd} --out={wd}/hf [--fp8]"]
   if cfg.data.format == "chat":
-    lines.append(f"  python -m infir2_jax.inference.evaluate --workdir={wd} --limit=16")
-  lines.append(f"  the same command with --config.steps={2 * cfg.steps} continues this run")
+    lines.append(f"  {py} -m infir2_jax.inference.evaluate --workdir={wd} --limit=16")
+  lines.append(continuation.next_run_hint(cfg, workdir))
   logging.info("%s", " | ".join(lines))
   return "\n".join(lines)

@@ -17,17 +17,20 @@ import numpy as np
 from infir2_jax import parallel
 from infir2_jax.config import TrainConfig
 from infir2_jax.data import make_data
+from infir2_jax.errors import ConfigError, UserError
 from infir2_jax.model import Qwen2, init_params, projections
 from infir2_jax.model.attention import check_documents, uses_packed_documents
 from infir2_jax.precision import make_dot_general_factory, telemetry
-from infir2_jax.train import preemption, preflight, resume, rundir, runlock, startup
+from infir2_jax.train import (continuation, loggers, preemption, preflight, resume, rundir,
+                              runlock, startup)
 from infir2_jax.train.checkpoint import Checkpointer, all_finite, restore_params
-from infir2_jax.train.metrics import MetricsWriter, peak_flops_per_device
-from infir2_jax.train.optim import make_optimizer, make_schedule
+from infir2_jax.train.metrics import MetricsWriter, peak_flops_per_device, perplexity
+from infir2_jax.train.optim import make_optimizer, make_schedule, stable_end
+from infir2_jax.train.profile import StepProfiler
 from infir2_jax.train.step import make_eval_step, make_train_step
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(UserError, FloatingPointError):
   """Raised when a step's loss, gradient norm or new state is NaN/Inf; that state is never
   saved."""
 
@@ -79,9 +82,9 @@ def _placement(cfg: TrainConfig) -> _Placement:
   batch_shards = parallel.ways(mesh, parallel.mesh_axes_of(rules, "batch"))
   micro_batch = cfg.batch_size // cfg.grad_accum_steps
   if micro_batch % batch_shards:
-    raise ValueError(f"batch_size={cfg.batch_size} / grad_accum_steps={cfg.grad_accum_steps} = "
-                     f"{micro_batch} rows per micro-batch cannot be split over the "
-                     f"{batch_shards} batch shards of mesh {dict(mesh.shape)}")
+    raise ConfigError(f"batch_size={cfg.batch_size} / grad_accum_steps={cfg.grad_accum_steps} = "
+                      f"{micro_batch} rows per micro-batch cannot be split over the "
+                      f"{batch_shards} batch shards of mesh {dict(mesh.shape)}")
   parallel.check_fp8_alignment(projections(cfg.model), mesh, rules, cfg.precision,
                                batch_rows=micro_batch, seq_len=cfg.seq_len,
                                mode=cfg.mesh.fp8_alignment)
@@ -97,8 +100,8 @@ def _make_data(cfg: TrainConfig, place: _Placement):
   data = make_data(cfg.data, seq_len=cfg.seq_len, global_batch_size=cfg.batch_size,
                    seed=cfg.seed, process_index=data_index, process_count=data_count)
   if data.vocab_size > cfg.model.vocab_size:
-    raise ValueError(f"the tokenizer has {data.vocab_size} tokens but model.vocab_size is "
-                     f"{cfg.model.vocab_size}; raise model.vocab_size")
+    raise ConfigError(f"the tokenizer has {data.vocab_size} tokens but model.vocab_size is "
+                      f"{cfg.model.vocab_size}; raise model.vocab_size")
   return data
 
 
@@ -145,8 +148,17 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   One trainer per workdir (train/runlock.py). SIGTERM and SIGINT save a checkpoint at the
   next step and raise preemption.Preempted (a SystemExit).
   """
-  with runlock.hold(workdir):
-    return _train(cfg, workdir)
+  created = rundir.missing_root(workdir)
+  fresh = created is not None or not os.listdir(workdir)
+  try:
+    with runlock.hold(workdir):
+      return _train(cfg, workdir)
+  except BaseException:
+    # A start that failed (a config or data error, an interrupted compile) leaves no run
+    # directory holding only its lock file; one that trained keeps what it wrote.
+    if fresh and jax.process_index() == 0:
+      rundir.remove_unused(workdir, created)
+    raise
 
 
 def _eval_sets(cfg: TrainConfig, data, place, num_eval: int) -> dict[str, list]:
@@ -161,11 +173,28 @@ def _eval_sets(cfg: TrainConfig, data, place, num_eval: int) -> dict[str, list]:
           for name, batches in sets.items()}
 
 
+def _continue(cfg: TrainConfig, workdir: str) -> TrainConfig:
+  """cfg with the schedule a resume with other steps trains with (train/continuation.py);
+  prints what it decided, and moves aside the checkpoints a rewind skips."""
+  plan = continuation.plan(cfg, workdir)
+  for note in plan.notes:
+    _print0(note)
+  if plan.rewind_to is not None:
+    if jax.process_index() == 0:
+      continuation.rewind(workdir, plan.rewind_to)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices("infir2_rewind")
+  return plan.cfg
+
+
 def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   os.makedirs(workdir, exist_ok=True)
   clock = startup.PhaseClock()
+  cfg = _continue(cfg, workdir)   # before the optimizer: the schedule is compiled in
   with clock.phase("config checks"):
     place = _placement(cfg)
+    loggers.check_available(cfg.log)
   with clock.phase("data"):
     data = _make_data(cfg, place)
     num_eval = startup.eval_batch_count(cfg, data, log=_print0)
@@ -183,7 +212,8 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   steps, memory = _compile_steps(cfg, model, optimizer, schedule, structs, shardings, place,
                                  data.special.pad, budget, clock)
 
-  checkpointer = Checkpointer(workdir, cfg.checkpoint, owner=True)
+  checkpointer = Checkpointer(workdir, cfg.checkpoint, owner=True,
+                              keep_steps=_decay_start_checkpoint(cfg))
   train_iter = iter(data.train)
   restoring = bool(rundir.checkpoint_steps(workdir))
   with clock.phase("restore") if restoring else contextlib.nullcontext():
@@ -193,7 +223,7 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
       state = _initial_state(cfg, init_fn, optimizer, structs, shardings, place)
     _write_config(cfg, workdir)
 
-  writer = MetricsWriter(workdir, cfg.log, cfg.steps, start_step)
+  writer = MetricsWriter(workdir, cfg.log, cfg.steps, start_step, run_config=cfg.to_dict())
   writer.print(f"{cfg.model.num_params() / 1e6:.1f}M params, recipe {cfg.precision.recipe}, "
                f"mesh {dict(place.mesh.shape)}, {data.summary()}, "
                + startup.init_source(cfg, start_step))
@@ -213,6 +243,15 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   _print0(startup.closing_summary(cfg, workdir, last, start_step=start_step,
                                   wall_s=clock.elapsed(), startup_s=clock.startup_s))
   return last
+
+
+def _decay_start_checkpoint(cfg: TrainConfig) -> tuple[int, ...]:
+  """(the step of the run's last scheduled checkpoint before its wsd decay,) or ()."""
+  end, every = stable_end(cfg.opt, cfg.steps), cfg.checkpoint.every_steps
+  if cfg.opt.schedule != "wsd" or end is None or every <= 0 or end >= cfg.steps:
+    return ()
+  last = end // every * every
+  return (last,) if last > 0 else ()
 
 
 def _print0(message: str) -> None:
@@ -288,17 +327,19 @@ class _Loop:
     self.tokens_per_step = cfg.batch_size * cfg.seq_len
     self.flops_per_step = cfg.model.flops_per_token(cfg.seq_len) * self.tokens_per_step
     self.peak = peak_flops_per_device(cfg.log)
+    self.profiler = StepProfiler(cfg.profile, writer.workdir, log=writer.print)
 
   def evaluate(self, params) -> dict[str, float]:
     """{"eval_loss": the validation set's token loss, "eval_loss/NAME": each mixture
-    source's own validation set}."""
+    source's own validation set}, and each one's "eval_perplexity[/NAME]"."""
     out = {}
     for name, batches in self.eval_batches.items():
       with self.place.context():
         sums = [self.steps.eval(params, b) for b in batches]
       tokens = sum(float(s[1]) for s in sums)
-      out["eval_loss" + (f"/{name}" if name else "")] = (
-          sum(float(s[0]) for s in sums) / max(tokens, 1.0))
+      loss = sum(float(s[0]) for s in sums) / max(tokens, 1.0)
+      out["eval_loss" + (f"/{name}" if name else "")] = loss
+      out["eval_perplexity" + (f"/{name}" if name else "")] = perplexity(loss)
     return out
 
   def check_finite(self, step: int, metrics: dict[str, float], state_finite: bool) -> None:
@@ -343,11 +384,20 @@ class _Loop:
       evals = self.evaluate(state["params"])
       last.update(evals)
       self.writer.write(0, evals)
+    try:
+      return self._steps(state, train_iter, stop, last)
+    finally:
+      self.profiler.stop(cfg.steps, force=True)   # a run stopped inside the traced steps
+
+  def _steps(self, state, train_iter, stop, last):
+    cfg = self.cfg
     pending = None  # (step, device metrics) of the previous step, read while the next one runs
     for step in range(self.start_step + 1, cfg.steps + 1):
       batch = _global_batch(self.place.checked(next(train_iter)), self.place.batch,
                             cfg.batch_size)
+      self.profiler.start(step)
       state, device_metrics = self.dispatch(step, state, batch)
+      self.profiler.stop(step, (state, device_metrics))
       if pending is not None:  # read step N-1 while step N runs
         last = self.log(*pending)
       pending = None if device_metrics is None else (step, device_metrics)
@@ -408,6 +458,7 @@ def _log_step(writer, step, device_metrics, timer, tokens_per_step, flops_per_st
     metrics.update(telemetry.finite_only(telemetry.summarize(fp8_stats["fwd"], fp8_stats["bwd"])))
   dt = timer.lap()
   check_finite(step, metrics, state_finite)
+  metrics["perplexity"] = perplexity(metrics["loss"])
   if dt is not None:
     metrics["step_time_s"] = dt
     metrics["tokens_per_s"] = tokens_per_step / dt
