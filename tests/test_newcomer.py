@@ -213,7 +213,7 @@ def test_a_single_text_file_trains_with_one_change(tmp_path, capsys):
   change that makes it train (data.val_fraction=0), and that change turns evaluation off."""
   source = _text_file(tmp_path / "notes.txt")
   with pytest.raises(ValueError, match=r"set --config.data.val_fraction=0 \(train without "
-                     "validation: evaluation is then off\)"):
+                     r"validation: evaluation is then off\)"):
     train(tiny_config(**{"data.source": source}), str(tmp_path / "first"))
   train(tiny_config(**{"data.source": source, "data.val_fraction": 0.0, "steps": 2,
                        "log.progress_bar": False}), str(tmp_path / "second"))
