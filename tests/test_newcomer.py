@@ -6,6 +6,7 @@ end what it reached and what to run next. Checks run cheap ones first, and a con
 cannot fit stops before anything is allocated.
 """
 
+import gc
 import io
 import json
 import logging
@@ -110,8 +111,8 @@ def test_start_up_names_weights_fp8_backend_memory_and_phases(fp8_run):
   assert "this host (MemAvailable) has" in memory and "compiled in" in memory
   (startup,) = [line for line in lines if line.startswith("start-up ")]
   phases = dict(re.findall(r"(\w[\w ]*?) (\d+\.\d) s", startup.split(": ", 1)[1]))
-  assert list(phases) == ["config checks", "data", "abstract state", "train step compile",
-                          "eval step compile", "init"]
+  assert list(phases) == ["config checks", "data", "abstract state", "train step trace",
+                          "eval step trace", "init", "compile wait"]
   total = float(re.match(r"start-up (\d+\.\d) s", startup).group(1))
   assert sum(map(float, phases.values())) <= total + 0.1
 
@@ -257,11 +258,16 @@ def test_a_state_that_cannot_fit_stops_before_compiling(tmp_path, monkeypatch):
   assert _live_bytes() - before < 2**20
 
 
-def test_a_step_that_cannot_fit_stops_after_compiling_before_allocating(tmp_path, monkeypatch):
+@pytest.mark.parametrize("large_state", [True, False], ids=["large_state", "small_state"])
+def test_a_step_that_cannot_fit_stops_before_its_first_step(tmp_path, monkeypatch, large_state):
   """A small model, but 128 x 8192 tokens per step: XLA's memory analysis of the compiled
-  step (logits, attention scores) is what says no."""
+  step (logits, attention scores) is what says no. A state that takes more than
+  preflight.STATE_SHARE_BESIDE_COMPILE of the memory is never allocated before that check
+  (here: the share set to 0); a small one is initialised beside the compile and freed."""
   cfg = tiny_config(**{"batch_size": 128, "seq_len": 8192, "eval.every_steps": 0})
-  _no_allocation(monkeypatch)
+  if large_state:
+    monkeypatch.setattr(preflight, "STATE_SHARE_BESIDE_COMPILE", 0.0)
+    _no_allocation(monkeypatch)
   before = _live_bytes()
   with pytest.raises(preflight.InsufficientMemoryError) as e:
     train(cfg, str(tmp_path))
@@ -273,8 +279,35 @@ def test_a_step_that_cannot_fit_stops_after_compiling_before_allocating(tmp_path
   assert m, message
   if float(m.group(1)) < 64:
     pytest.fail(f"the step should need far more than any test host has: {message}")
+  del e   # its traceback holds the frames (and a small state's arrays)
+  gc.collect()
   assert _live_bytes() - before < 2**20
   assert not os.path.exists(os.path.join(tmp_path, rundir.CONFIG_FILE))
+
+
+def test_the_state_is_initialised_while_the_step_compiles(tmp_path, monkeypatch):
+  """The train step's XLA compile (a background thread) cannot finish before the state's
+  init has begun: a start-up that compiled first and initialised after would time out."""
+  import threading
+  from infir2_jax.train import trainer
+  init_began, waited_out = threading.Event(), []
+  compile_on_thread = preflight.PendingStep._compile
+
+  def compile_after_init_began(self, lowered):
+    if not init_began.wait(timeout=60):
+      waited_out.append(True)
+    compile_on_thread(self, lowered)
+
+  initial_state = trainer._initial_state
+  def init_and_say_so(*args, **kwargs):
+    init_began.set()
+    return initial_state(*args, **kwargs)
+
+  monkeypatch.setattr(preflight.PendingStep, "_compile", compile_after_init_began)
+  monkeypatch.setattr(trainer, "_initial_state", init_and_say_so)
+  train(tiny_config(**{"steps": 1, "eval.every_steps": 0, "checkpoint.every_steps": 0,
+                       "log.progress_bar": False}), str(tmp_path))
+  assert init_began.is_set() and not waited_out
 
 
 def test_the_1p5b_command_on_a_small_cpu_host_fails_fast_with_one_line(tmp_path):

@@ -19,6 +19,7 @@ $INFIR2_MEMORY_PREFLIGHT=warn prints the message and goes on; =off skips the che
 import dataclasses
 import math
 import os
+import threading
 import time
 from typing import Any
 
@@ -169,6 +170,23 @@ def check_state(cfg, structs, budget: Budget | None, num_devices: int, log=print
                  _advice(cfg, activations=False)), log)
 
 
+# The state may be allocated while the train step compiles (the start-up's restore or init
+# beside XLA's compile) when it takes at most this share of the devices' memory; a larger
+# state waits for the compiled step's check, so a step that cannot fit stops before any of
+# its state exists.
+STATE_SHARE_BESIDE_COMPILE = 0.5
+
+
+def state_fits_beside_compile(structs, budget: Budget | None, num_devices: int) -> bool:
+  """Whether the train state (and one f32 gradient) leaves at least half of the budget free;
+  False when the budget is unknown or the checks are off."""
+  if budget is None or not enabled():
+    return False
+  needed, _ = _needs(shard_bytes(structs) + shard_bytes(structs["params"]), budget, num_devices,
+                     "")
+  return needed <= STATE_SHARE_BESIDE_COMPILE * budget.available
+
+
 @dataclasses.dataclass
 class CompiledStep:
   """A step compiled ahead of time, with the seconds its tracing and compilation took."""
@@ -178,15 +196,45 @@ class CompiledStep:
   memory: StepMemory | None
 
 
-def compile_step(jitted, *abstract_args) -> CompiledStep:
-  """jitted.lower(*abstract_args).compile(): the executable the loop then calls (no second
-  compile), timed, with its memory analysis."""
+class PendingStep:
+  """A step traced and lowered here, being compiled by XLA on a daemon thread.
+
+  XLA's compile releases the GIL, so the start-up's other work (tracing the eval step,
+  restoring or initialising the state) runs beside it; `result()` waits for it. A daemon
+  thread: a Ctrl-C during start-up never waits for a compile nobody will use.
+  """
+
+  def __init__(self, lowered, lower_s: float):
+    self.lower_s = lower_s
+    self._outcome: tuple[Any, float] | BaseException | None = None
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._compile, args=(lowered,), daemon=True,
+                                    name="infir2-compile")
+    self._thread.start()
+
+  def _compile(self, lowered) -> None:
+    t0 = time.perf_counter()
+    try:
+      self._outcome = (lowered.compile(), time.perf_counter() - t0)
+    except BaseException as e:  # pylint: disable=broad-except  (re-raised by result())
+      self._outcome = e
+    finally:
+      self._done.set()
+
+  def result(self) -> CompiledStep:
+    self._done.wait()
+    if isinstance(self._outcome, BaseException):
+      raise self._outcome
+    compiled, compile_s = self._outcome
+    return CompiledStep(compiled, self.lower_s, compile_s, StepMemory.of(compiled))
+
+
+def compile_step(jitted, *abstract_args) -> PendingStep:
+  """jitted.lower(*abstract_args) now, .compile() in the background: `.result()` is the
+  executable the loop then calls (no second compile), timed, with its memory analysis."""
   t0 = time.perf_counter()
   lowered = jitted.lower(*abstract_args)
-  t1 = time.perf_counter()
-  compiled = lowered.compile()
-  t2 = time.perf_counter()
-  return CompiledStep(compiled, t1 - t0, t2 - t1, StepMemory.of(compiled))
+  return PendingStep(lowered, time.perf_counter() - t0)
 
 
 def check_step(cfg, step: CompiledStep, budget: Budget | None, num_devices: int,

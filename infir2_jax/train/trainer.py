@@ -142,8 +142,9 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) a run in `workdir`. Returns the last step's and eval metrics.
 
   Start-up runs cheap checks before expensive ones (startup.py times each phase): config and
-  data, then the abstract state and its memory, then the train step compiled once ahead of
-  time (preflight.py checks that it fits), then the state is restored or allocated.
+  data, then the abstract state and its memory, then the train step traced and compiled once
+  ahead of time while the state is restored or allocated beside it, then (preflight.py) the
+  compiled step's memory is checked against the devices before the first step.
 
   One trainer per workdir (train/runlock.py). SIGTERM and SIGINT save a checkpoint at the
   next step and raise preemption.Preempted (a SystemExit).
@@ -209,8 +210,11 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
     structs, shardings = parallel.abstract_state(init_fn, optimizer, place.mesh, place.rules)
     budget = preflight.device_budget(place.mesh.local_devices)
     preflight.check_state(cfg, structs, budget, len(place.mesh.local_devices), log=_print0)
-  steps, memory = _compile_steps(cfg, model, optimizer, schedule, structs, shardings, place,
-                                 data.special.pad, budget, clock)
+    beside = preflight.state_fits_beside_compile(structs, budget, len(place.mesh.local_devices))
+  pending = _start_compiles(cfg, model, optimizer, schedule, structs, shardings, place,
+                            data.special.pad, bool(eval_batches), clock)
+  if not beside:   # a large state: allocated only once the compiled step is known to fit
+    steps, memory = _finish_compiles(cfg, pending, budget, len(place.mesh.local_devices), clock)
 
   checkpointer = Checkpointer(workdir, cfg.checkpoint, owner=True,
                               keep_steps=_decay_start_checkpoint(cfg))
@@ -218,9 +222,13 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   restoring = bool(rundir.checkpoint_steps(workdir))
   with clock.phase("restore") if restoring else contextlib.nullcontext():
     start_step, state = _resume(cfg, workdir, checkpointer, structs, train_iter)
-  if state is None:
+  initialised = state is None
+  if initialised:
     with clock.phase("init"):
       state = _initial_state(cfg, init_fn, optimizer, structs, shardings, place)
+  if beside:
+    steps, memory = _finish_compiles(cfg, pending, budget, len(place.mesh.local_devices), clock)
+  if initialised:
     _write_config(cfg, workdir)
 
   writer = MetricsWriter(workdir, cfg.log, cfg.steps, start_step, run_config=cfg.to_dict())
@@ -259,23 +267,38 @@ def _print0(message: str) -> None:
     print(message, flush=True)
 
 
-def _compile_steps(cfg, model, optimizer, schedule, structs, shardings, place, pad_id, budget,
-                   clock):
-  """The jitted steps, train and eval compiled ahead of time from abstract shapes (each once:
-  the loop calls these executables), and the train step's memory checked before any state
-  exists. Returns (steps, the memory line)."""
+def _start_compiles(cfg, model, optimizer, schedule, structs, shardings, place, pad_id,
+                    evaluates: bool, clock):
+  """The jitted steps, traced here from abstract shapes and compiled ahead of time by XLA on
+  background threads (preflight.PendingStep), so that restoring or initialising the state
+  runs beside the compile; `_finish_compiles` waits for them. The eval step only when the
+  run evaluates. Returns (steps, pending train step, pending eval step or None)."""
   steps = _jit_steps(cfg, model, optimizer, schedule, shardings, place)
   batch = startup.abstract_batch(cfg, pad_id, place.batch)
-  devices = len(place.mesh.local_devices)
   with place.context():
-    with clock.phase("train step compile"):
-      train_step = preflight.compile_step(steps.train, structs, batch)
-      memory = preflight.check_step(cfg, train_step, budget, devices, log=_print0)
-    with clock.phase("eval step compile"):
-      eval_step = preflight.compile_step(steps.eval, structs["params"], batch)
+    with clock.phase("train step trace"):
+      train = preflight.compile_step(steps.train, structs, batch)
+    evaluate = None
+    if evaluates:
+      with clock.phase("eval step trace"):
+        evaluate = preflight.compile_step(steps.eval, structs["params"], batch)
+  return steps, train, evaluate
+
+
+def _finish_compiles(cfg, pending, budget, devices: int, clock):
+  """The compiled steps (each compiled once: the loop calls these executables) and the
+  train step's memory checked against the devices before the first step. Returns (steps,
+  the memory line)."""
+  steps, train, evaluate = pending
+  with clock.phase("compile wait"):   # the compiles' time beyond what ran beside them
+    train_step = train.result()
+    eval_step = evaluate.result() if evaluate is not None else None
+  memory = preflight.check_step(cfg, train_step, budget, devices, log=_print0)
   memory += (f"; train step traced in {train_step.lower_s:.1f} s, compiled in "
-             f"{train_step.compile_s:.1f} s")
-  return dataclasses.replace(steps, train=train_step.compiled, eval=eval_step.compiled), memory
+             f"{train_step.compile_s:.1f} s (beside the start-up's other work)")
+  return dataclasses.replace(
+      steps, train=train_step.compiled,
+      eval=eval_step.compiled if eval_step is not None else steps.eval), memory
 
 
 def _resume(cfg, workdir, checkpointer, structs, train_iter):
