@@ -110,9 +110,11 @@ def test_start_up_names_weights_fp8_backend_memory_and_phases(fp8_run):
   memory = next(line for line in lines if line.startswith("memory: the train step needs"))
   assert "this host (MemAvailable) has" in memory and "compiled in" in memory
   (startup,) = [line for line in lines if line.startswith("start-up ")]
-  phases = dict(re.findall(r"(\w[\w ]*?) (\d+\.\d) s", startup.split(": ", 1)[1]))
+  serial, beside = startup.split(": ", 1)[1].split("; beside them: ")
+  phases = dict(re.findall(r"(\w[\w ]*?) (\d+\.\d) s", serial))
   assert list(phases) == ["config checks", "data", "abstract state", "train step trace",
-                          "eval step trace", "init", "compile wait"]
+                          "eval step trace", "wait for the state", "compile wait"]
+  assert re.fullmatch(r"init \d+\.\d s", beside), beside
   total = float(re.match(r"start-up (\d+\.\d) s", startup).group(1))
   assert sum(map(float, phases.values())) <= total + 0.1
 
@@ -160,7 +162,8 @@ def test_resume_says_resumed_and_times_the_restore(fp8_run, tmp_path, capsys):
   out = capsys.readouterr().out
   assert params_line(out).endswith("resumed from step 2")
   startup = next(line for line in out.splitlines() if line.startswith("start-up "))
-  assert ", restore " in startup and ", init " not in startup
+  beside = startup.split("; beside them: ")[1]   # restored while the step compiled
+  assert beside.startswith("restore ") and "init " not in beside, startup
   assert "done: steps 3-4 in" in out
 
 
@@ -291,19 +294,24 @@ def test_the_state_is_initialised_while_the_step_compiles(tmp_path, monkeypatch)
   import threading
   from infir2_jax.train import trainer
   init_began, waited_out = threading.Event(), []
-  compile_on_thread = preflight.PendingStep._compile
+  pending_step = preflight.PendingStep.__init__
 
-  def compile_after_init_began(self, lowered):
-    if not init_began.wait(timeout=60):
-      waited_out.append(True)
-    compile_on_thread(self, lowered)
+  class CompileAfterInitBegan:
+    def __init__(self, lowered):
+      self.lowered = lowered
+
+    def compile(self):
+      if not init_began.wait(timeout=60):
+        waited_out.append(True)
+      return self.lowered.compile()
 
   initial_state = trainer._initial_state
   def init_and_say_so(*args, **kwargs):
     init_began.set()
     return initial_state(*args, **kwargs)
 
-  monkeypatch.setattr(preflight.PendingStep, "_compile", compile_after_init_began)
+  monkeypatch.setattr(preflight.PendingStep, "__init__", lambda self, lowered, lower_s:
+                      pending_step(self, CompileAfterInitBegan(lowered), lower_s))
   monkeypatch.setattr(trainer, "_initial_state", init_and_say_so)
   train(tiny_config(**{"steps": 1, "eval.every_steps": 0, "checkpoint.every_steps": 0,
                        "log.progress_bar": False}), str(tmp_path))

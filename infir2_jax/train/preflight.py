@@ -19,7 +19,6 @@ $INFIR2_MEMORY_PREFLIGHT=warn prints the message and goes on; =off skips the che
 import dataclasses
 import math
 import os
-import threading
 import time
 from typing import Any
 
@@ -27,6 +26,7 @@ import jax
 import numpy as np
 
 from infir2_jax.errors import UserError
+from infir2_jax.train.background import Background
 
 ENV = "INFIR2_MEMORY_PREFLIGHT"
 GIB = 2**30
@@ -197,36 +197,17 @@ class CompiledStep:
 
 
 class PendingStep:
-  """A step traced and lowered here, being compiled by XLA on a daemon thread.
-
-  XLA's compile releases the GIL, so the start-up's other work (tracing the eval step,
-  restoring or initialising the state) runs beside it; `result()` waits for it. A daemon
-  thread: a Ctrl-C during start-up never waits for a compile nobody will use.
-  """
+  """A step traced and lowered here, being compiled by XLA in the background
+  (train/background.py: the compile releases the GIL, so the start-up's other work runs
+  beside it); `result()` waits for it."""
 
   def __init__(self, lowered, lower_s: float):
     self.lower_s = lower_s
-    self._outcome: tuple[Any, float] | BaseException | None = None
-    self._done = threading.Event()
-    self._thread = threading.Thread(target=self._compile, args=(lowered,), daemon=True,
-                                    name="infir2-compile")
-    self._thread.start()
-
-  def _compile(self, lowered) -> None:
-    t0 = time.perf_counter()
-    try:
-      self._outcome = (lowered.compile(), time.perf_counter() - t0)
-    except BaseException as e:  # pylint: disable=broad-except  (re-raised by result())
-      self._outcome = e
-    finally:
-      self._done.set()
+    self._compile = Background(lowered.compile, "compile")
 
   def result(self) -> CompiledStep:
-    self._done.wait()
-    if isinstance(self._outcome, BaseException):
-      raise self._outcome
-    compiled, compile_s = self._outcome
-    return CompiledStep(compiled, self.lower_s, compile_s, StepMemory.of(compiled))
+    compiled = self._compile.result()
+    return CompiledStep(compiled, self.lower_s, self._compile.seconds, StepMemory.of(compiled))
 
 
 def compile_step(jitted, *abstract_args) -> PendingStep:

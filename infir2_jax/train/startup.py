@@ -36,6 +36,7 @@ class PhaseClock:
   def __init__(self):
     self.t0 = time.perf_counter()
     self.phases: dict[str, float] = {}
+    self.beside: dict[str, float] = {}   # phases that ran on another thread, beside these
     self.startup_s = 0.0  # set by line(), at the end of the start-up
 
   @contextlib.contextmanager
@@ -50,10 +51,12 @@ class PhaseClock:
     return time.perf_counter() - self.t0
 
   def line(self) -> str:
-    """"start-up 14.2 s: config checks 0.1 s, data 1.3 s, ..." (the rest: model building)."""
+    """"start-up 14.2 s: config checks 0.1 s, data 1.3 s, ...; beside them: init 2.0 s"
+    (the rest: model building)."""
     self.startup_s = self.elapsed()
-    parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.phases.items())
-    return f"start-up {self.startup_s:.1f} s to the first step: {parts}"
+    join = lambda phases: ", ".join(f"{name} {s:.1f} s" for name, s in phases.items())
+    beside = f"; beside them: {join(self.beside)}" if self.beside else ""
+    return f"start-up {self.startup_s:.1f} s to the first step: {join(self.phases)}{beside}"
 
 
 def eval_batch_count(cfg: TrainConfig, data, log=print) -> int:

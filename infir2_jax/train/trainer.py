@@ -27,6 +27,7 @@ from infir2_jax.train.checkpoint import Checkpointer, all_finite, restore_params
 from infir2_jax.train.metrics import MetricsWriter, peak_flops_per_device, perplexity
 from infir2_jax.train.optim import make_optimizer, make_schedule, stable_end
 from infir2_jax.train.profile import StepProfiler
+from infir2_jax.train.background import Background
 from infir2_jax.train.step import make_eval_step, make_train_step
 
 
@@ -211,23 +212,34 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
     budget = preflight.device_budget(place.mesh.local_devices)
     preflight.check_state(cfg, structs, budget, len(place.mesh.local_devices), log=_print0)
     beside = preflight.state_fits_beside_compile(structs, budget, len(place.mesh.local_devices))
-  pending = _start_compiles(cfg, model, optimizer, schedule, structs, shardings, place,
-                            data.special.pad, bool(eval_batches), clock)
-  if not beside:   # a large state: allocated only once the compiled step is known to fit
-    steps, memory = _finish_compiles(cfg, pending, budget, len(place.mesh.local_devices), clock)
-
   checkpointer = Checkpointer(workdir, cfg.checkpoint, owner=True,
                               keep_steps=_decay_start_checkpoint(cfg))
   train_iter = iter(data.train)
-  restoring = bool(rundir.checkpoint_steps(workdir))
-  with clock.phase("restore") if restoring else contextlib.nullcontext():
-    start_step, state = _resume(cfg, workdir, checkpointer, structs, train_iter)
-  initialised = state is None
-  if initialised:
-    with clock.phase("init"):
-      state = _initial_state(cfg, init_fn, optimizer, structs, shardings, place)
-  if beside:
-    steps, memory = _finish_compiles(cfg, pending, budget, len(place.mesh.local_devices), clock)
+  state_clock = startup.PhaseClock()
+  get_state = functools.partial(_restored_or_initial_state, cfg, workdir, checkpointer, structs,
+                                train_iter, init_fn, optimizer, shardings, place, state_clock)
+  start_compiles = functools.partial(_start_compiles, cfg, model, optimizer, schedule, structs,
+                                     shardings, place, data.special.pad, bool(eval_batches),
+                                     clock)
+  finish_compiles = functools.partial(_finish_compiles, cfg, budget=budget,
+                                      devices=len(place.mesh.local_devices), clock=clock)
+  if beside:   # the state is restored or initialised while the steps trace and compile
+    state_job = Background(get_state, "state")
+    try:
+      pending = start_compiles()
+      with clock.phase("wait for the state"):
+        start_step, state, initialised = state_job.result()
+      steps, memory = finish_compiles(pending)
+    except BaseException as e:
+      if not isinstance(e, KeyboardInterrupt):   # let a restore in flight end before closing
+        state_job.wait(timeout=60)
+      checkpointer.close()
+      raise
+    clock.beside.update(state_clock.phases)
+  else:        # a large state: allocated only once the compiled step is known to fit
+    steps, memory = finish_compiles(start_compiles())
+    start_step, state, initialised = get_state()
+    clock.phases.update(state_clock.phases)
   if initialised:
     _write_config(cfg, workdir)
 
@@ -285,7 +297,7 @@ def _start_compiles(cfg, model, optimizer, schedule, structs, shardings, place, 
   return steps, train, evaluate
 
 
-def _finish_compiles(cfg, pending, budget, devices: int, clock):
+def _finish_compiles(cfg, pending, *, budget, devices: int, clock):
   """The compiled steps (each compiled once: the loop calls these executables) and the
   train step's memory checked against the devices before the first step. Returns (steps,
   the memory line)."""
@@ -299,6 +311,19 @@ def _finish_compiles(cfg, pending, budget, devices: int, clock):
   return dataclasses.replace(
       steps, train=train_step.compiled,
       eval=eval_step.compiled if eval_step is not None else steps.eval), memory
+
+
+def _restored_or_initial_state(cfg, workdir, checkpointer, structs, train_iter, init_fn,
+                               optimizer, shardings, place, clock):
+  """(start step, state, whether it was initialised): the newest checkpoint that restores,
+  else step 0's state; each timed on `clock` ("restore", "init")."""
+  restoring = bool(rundir.checkpoint_steps(workdir))
+  with clock.phase("restore") if restoring else contextlib.nullcontext():
+    start_step, state = _resume(cfg, workdir, checkpointer, structs, train_iter)
+  if state is not None:
+    return start_step, state, False
+  with clock.phase("init"):
+    return start_step, _initial_state(cfg, init_fn, optimizer, structs, shardings, place), True
 
 
 def _resume(cfg, workdir, checkpointer, structs, train_iter):
