@@ -65,9 +65,13 @@ elif [[ $STAGE == 7b ]]; then
     --seq_lens=4096 "${COMMON[@]}" --override=steps=16 --steps=12 --variant_timeout_s=230 \
     --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 | tail -30
 elif [[ $STAGE == startup ]]; then
-  for run in cold warm; do
-    timeout 200 python3 -m infir2_jax.train --config=configs/1p5b.py --workdir="/tmp/su_$run" \
-      --config.steps=3 --config.eval.every_steps=0 --config.checkpoint.every_steps=0 \
+  # cold: empty compilation cache; warm: a fresh run with the cache; resume: the warm run
+  # continued from its step-3 checkpoint (cache warm, the 17 GiB state restored).
+  for run in cold warm resume; do
+    dir=/tmp/su_$run; steps=3
+    if [[ $run == resume ]]; then dir=/tmp/su_warm; steps=5; fi
+    timeout 200 python3 -m infir2_jax.train --config=configs/1p5b.py --workdir="$dir" \
+      --config.steps=$steps --config.eval.every_steps=0 --config.checkpoint.every_steps=0 \
       --config.log.progress_bar=False > "$OUT/startup_$run.log" 2>&1
     echo "$run rc=$?"; grep -iE "start-up|phase|compile|memory" "$OUT/startup_$run.log" | head -8
   done
