@@ -15,7 +15,8 @@
   WORKDIR/profile/                   traces of the steps profile.* asked for (jax.profiler)
   WORKDIR/trackers.json              W&B / MLflow run ids (log.wandb, log.mlflow): a resume
                                      logs to the same tracker run
-  WORKDIR/.lock                      held (flock) by the trainer of the run: pid and host
+  WORKDIR/.lock                      who holds the run (pid, host); the trainer flocks it and
+                                     WORKDIR itself (train/runlock.py)
 """
 
 import json
