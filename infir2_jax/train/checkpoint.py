@@ -10,6 +10,8 @@ WORKDIR/checkpoints_damaged/, never deleted.
 import errno
 import logging
 import os
+import re
+import resource
 import shutil
 from collections.abc import Callable, Iterator
 
@@ -40,7 +42,12 @@ class _NoItemMetadataWarning(logging.Filter):
 logging.getLogger("absl").addFilter(_NoItemMetadataWarning())
 
 
-class DiskFullError(UserError, OSError):
+class SaveFailed(UserError, OSError):
+  """A checkpoint save that failed (in the background or not): the run stops at once; the
+  message names the checkpoint, the cause and the fix in one line."""
+
+
+class DiskFullError(SaveFailed):
   """A checkpoint that does not fit on its disk; the message names the directory and sizes."""
 
 
@@ -78,6 +85,7 @@ class Checkpointer:
             enable_async_checkpointing=cfg.async_save, async_options=async_options,
             create=True, **keep))
     self._state_bytes = None
+    self._pending = None  # the step of a save not known to have finished
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -86,15 +94,19 @@ class Checkpointer:
     return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator | None) -> None:
-    """Saves in the background (async_save) or now; a full disk is a DiskFullError."""
+    """Saves in the background (async_save) or now; any failure is a SaveFailed (a full
+    disk a DiskFullError), the previous background save's included."""
+    self.wait()  # a failed background save: orbax's next save would wait for it forever
+    self._check_writable(step)
     self._check_space(step, state)
     items = {rundir.STATE_ITEM: ocp.args.StandardSave(state)}
     if data_iterator is not None:
       items[rundir.DATA_ITEM] = data_checkpoint.IteratorSave(data_iterator)
-    with _TranslateDiskFull(self, step):
+    self._pending = step
+    with _TranslateSaveErrors(self, step):
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-    if not self.cfg.async_save and self._primary:  # committed already: checksum it now
-      integrity.write_manifest(rundir.step_dir(self.workdir, step))
+      if not self.cfg.async_save and self._primary:  # committed already: checksum it now
+        integrity.write_manifest(rundir.step_dir(self.workdir, step))
 
   def _seal_pending(self) -> None:
     """orbax's post-finalization callback: checksums the step folder orbax is about to
@@ -103,6 +115,20 @@ class Checkpointer:
       for path in rundir.pending_step_dirs(self.workdir):
         if not integrity.has_manifest(path):
           integrity.write_manifest(path)
+
+  def _check_writable(self, step: int) -> None:
+    """SaveFailed unless a folder can be made in checkpoints/: where orbax cannot make the
+    step's folder, its save waits 300 s for a signal that never comes, then fails unclearly.
+    (The probe's name marks it a leftover that the next owner removes, were it killed.)"""
+    probe = os.path.join(self.directory, f"write-probe{rundir.ORBAX_TMP_MARK}-{os.getpid()}")
+    try:
+      os.mkdir(probe)
+      os.rmdir(probe)
+    except OSError as e:
+      if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise DiskFullError(_disk_full_message(self.directory, step, self._state_bytes or 0,
+                                               shutil.disk_usage(self.directory).free)) from None
+      raise SaveFailed(_save_failed_message(self, step, e.errno, e)) from None
 
   def _check_space(self, step: int, state) -> None:
     if self._state_bytes is None:
@@ -171,18 +197,35 @@ class Checkpointer:
     self._manager.reload()
     return target
 
+  def poll(self) -> None:
+    """Raises SaveFailed as soon as a background save has failed, without waiting for one
+    still running: the loop calls it every step, so training never goes on for long past a
+    checkpoint that was not written. Single-process only (orbax's wait is collective); a
+    multi-process run learns it at its next save."""
+    if (self._pending is not None and jax.process_count() == 1
+        and not self._manager.is_saving_in_progress()):
+      self.wait()
+
   def wait(self) -> None:
-    with _TranslateDiskFull(self, None):
+    """Waits for the background save; SaveFailed if it failed (raised once)."""
+    if self._pending is None:
+      return
+    with _TranslateSaveErrors(self, self._pending):
       self._manager.wait_until_finished()
+    self._pending = None
 
   def close(self) -> None:
-    with _TranslateDiskFull(self, None):
-      self._manager.wait_until_finished()
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      if self._pending is None:  # a failed save was raised already: orbax would raise again
+        self._manager.close()
 
 
-class _TranslateDiskFull:
-  """Turns ENOSPC from orbax / tensorstore (however wrapped) into one DiskFullError line."""
+class _TranslateSaveErrors:
+  """Turns a failed save (orbax / tensorstore errors, however wrapped) into one SaveFailed
+  line: a full disk (ENOSPC, EDQUOT), a file-size limit (EFBIG), a folder that cannot be
+  written (EACCES, EPERM, EROFS), or anything else. The half-written step is removed."""
 
   def __init__(self, checkpointer: Checkpointer, step: int | None):
     self.checkpointer, self.step = checkpointer, step
@@ -191,24 +234,65 @@ class _TranslateDiskFull:
     return self
 
   def __exit__(self, exc_type, exc, tb):
-    if exc is None or not _is_disk_full(exc):
+    if exc is None or not isinstance(exc, Exception) or isinstance(exc, SaveFailed):
       return False
     ckpt = self.checkpointer
+    ckpt._pending = None  # pylint: disable=protected-access  # reported here, once
     if ckpt._primary:  # pylint: disable=protected-access
       rundir.remove_tmp_leftovers(ckpt.workdir)  # the half-written step: give the space back
-    needed = ckpt._state_bytes or 0  # pylint: disable=protected-access
-    raise DiskFullError(_disk_full_message(
-        ckpt.directory, self.step, needed, shutil.disk_usage(ckpt.directory).free)) from None
+    code = _os_error_code(exc)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+      needed = ckpt._state_bytes or 0  # pylint: disable=protected-access
+      raise DiskFullError(_disk_full_message(
+          ckpt.directory, self.step, needed, shutil.disk_usage(ckpt.directory).free)) from None
+    raise SaveFailed(_save_failed_message(ckpt, self.step, code, exc)) from exc
 
 
-def _is_disk_full(exc: BaseException) -> bool:
+# How errors of a save show their cause: OSError.errno, tensorstore's text, or strerror.
+_ERRNO_TEXT = {errno.ENOSPC: "No space left on device", errno.EFBIG: "File too large",
+               errno.EROFS: "Read-only file system", errno.EACCES: "Permission denied",
+               errno.EPERM: "Operation not permitted", errno.EDQUOT: "Disk quota exceeded"}
+
+
+def _os_error_code(exc: BaseException) -> int | None:
+  """The errno of the first OSError cause in `exc`'s chain (found in the text of wrapped
+  tensorstore errors too), or None."""
   seen = set()
   while exc is not None and id(exc) not in seen:
     seen.add(id(exc))
-    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc):
-      return True
+    if isinstance(getattr(exc, "errno", None), int):
+      return exc.errno
+    match = re.search(r"os_error_code='(\d+)'", str(exc))
+    if match:
+      return int(match.group(1))
+    for code, text in _ERRNO_TEXT.items():
+      if text in str(exc):
+        return code
     exc = exc.__cause__ or exc.__context__
-  return False
+  return None
+
+
+def _save_failed_message(ckpt: Checkpointer, step: int | None, code: int | None,
+                         exc: BaseException) -> str:
+  which = f"checkpoint {step}" if step is not None else "a checkpoint"
+  done = rundir.checkpoint_steps(ckpt.workdir)
+  resume = (f"re-run the same command to resume from checkpoint {done[-1]}" if done else
+            "re-run the same command (no checkpoint was written: it starts over)")
+  if code == errno.EFBIG:
+    cause = (f"a file of it is larger than this process may write (the file-size limit, "
+             f"`ulimit -f`, is {_fsize_limit()}). Raise the limit (`ulimit -f unlimited`)")
+  elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+    cause = (f"{ckpt.directory} cannot be written ({os.strerror(code)}). Make it writable "
+             "(permissions, a read-only or immutable folder or mount)")
+  else:
+    cause = f"{one_line(exc)}. Fix the cause"
+  return f"{which} could not be saved in {ckpt.directory}: {cause}, then {resume}; the run " \
+         "stopped so that no step goes on unsaved"
+
+
+def _fsize_limit() -> str:
+  soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+  return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
 
 
 def _disk_full_message(directory: str, step: int | None, needed: int, free: int) -> str:

@@ -416,6 +416,7 @@ class _Loop:
     cfg = self.cfg
     pending = None  # (step, device metrics) of the previous step, read while the next one runs
     for step in range(self.start_step + 1, cfg.steps + 1):
+      self.checkpointer.poll()  # a failed background save stops the run before this step
       batch = _global_batch(self.place.checked(next(train_iter)), self.place.batch,
                             cfg.batch_size)
       self.profiler.start(step)
