@@ -27,6 +27,7 @@ from infir2_jax.config import CheckpointConfig
 from infir2_jax.data import checkpoint as data_checkpoint
 from infir2_jax.errors import UserError
 from infir2_jax.train import integrity, rundir
+from infir2_jax.train.resume import ResumeConfigError
 
 
 class _NoItemMetadataWarning(logging.Filter):
@@ -65,8 +66,13 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, cfg: CheckpointConfig, owner: bool = False,
-               keep_steps: tuple[int, ...] = ()):
+               keep_steps: tuple[int, ...] = (), identity: dict | None = None,
+               adam: tuple[float, float] | None = None):
+    """identity: what each checkpoint carries of its run (train/identity.py), None = no
+    `run` item. adam: (b1, b2), to check the moments of a checkpoint without checksums."""
     self.workdir = workdir
+    self.identity, self.adam = identity, adam
+    self.restored_identity = None  # the `run` item of the checkpoint restore_latest took
     self.directory = rundir.checkpoints_dir(workdir)
     self.cfg = cfg
     self.keep_steps = tuple(keep_steps)
@@ -102,6 +108,9 @@ class Checkpointer:
     items = {rundir.STATE_ITEM: ocp.args.StandardSave(state)}
     if data_iterator is not None:
       items[rundir.DATA_ITEM] = data_checkpoint.IteratorSave(data_iterator)
+    if self.identity is not None:
+      items[rundir.RUN_ITEM] = ocp.args.JsonSave(
+          {**self.identity, "fingerprint": integrity.state_fingerprint(state)})
     self._pending = step
     with _TranslateSaveErrors(self, step):
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -148,7 +157,9 @@ class Checkpointer:
       raise integrity.DamagedCheckpoint("the step folder is empty")
     if not rundir.is_committed(path):
       raise integrity.DamagedCheckpoint("it is incomplete (orbax never finished writing it)")
-    integrity.verify(path)
+    verified = integrity.verify(path)
+    identity = self.read_identity(step)
+    self._check_shapes(step, abstract_state)
     items = {rundir.STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
     if data_iterator is not None:
       items[rundir.DATA_ITEM] = data_checkpoint.IteratorRestore(data_iterator)
@@ -156,7 +167,82 @@ class Checkpointer:
     state = restored[rundir.STATE_ITEM]
     if not bool(all_finite(state)):
       raise integrity.DamagedCheckpoint("its state holds NaN or Inf values")
+    if not verified:  # no checksums: what can be checked without them
+      if identity and identity.get("fingerprint"):
+        integrity.check_fingerprint(state, identity["fingerprint"])
+      if self.adam is not None and isinstance(state, dict) and "opt_state" in state:
+        integrity.check_adam_moments(state["opt_state"], *self.adam)
+    self.restored_identity = identity
     return state
+
+  def read_identity(self, step: int) -> dict | None:
+    """The `run` item of checkpoint `step` (None: older code wrote it without one).
+
+    Raises integrity.DamagedCheckpoint where it is there but unreadable."""
+    path = os.path.join(rundir.step_dir(self.workdir, step), rundir.RUN_ITEM)
+    if not os.path.isdir(path):
+      return None
+    try:
+      identity = rundir.read_json(os.path.join(path, "metadata"))
+      if not isinstance(identity, dict):
+        raise ValueError("not an object")
+      return identity
+    except (OSError, ValueError) as e:
+      raise integrity.DamagedCheckpoint(f"its {rundir.RUN_ITEM} item is unreadable "
+                                        f"({type(e).__name__})") from None
+
+  def first_identity(self) -> dict | None:
+    """The `run` item of the oldest checkpoint that has a readable one (the run's own)."""
+    for step in rundir.checkpoint_steps(self.workdir):
+      try:
+        identity = self.read_identity(step)
+      except integrity.DamagedCheckpoint:
+        continue
+      if identity:
+        return identity
+    return None
+
+  def newest_config(self) -> dict | None:
+    """The config the newest committed checkpoint carries (None: none does, or unreadable)."""
+    for step in reversed(rundir.checkpoint_steps(self.workdir)):
+      try:
+        identity = self.read_identity(step)
+      except integrity.DamagedCheckpoint:
+        continue
+      return (identity or {}).get("config")
+    return None
+
+  def _check_shapes(self, step: int, abstract_state) -> None:
+    """ResumeConfigError (nothing moved) when the checkpoint's arrays have other shapes or
+    names than `abstract_state`: a config that does not fit, not damage. An unreadable
+    metadata file is damage (orbax's error, moved aside by restore_latest)."""
+    path = os.path.join(rundir.step_dir(self.workdir, step), rundir.STATE_ITEM)
+    with ocp.PyTreeCheckpointer() as ckptr:
+      meta = ckptr.metadata(path)
+    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
+    shape = lambda x: tuple(getattr(x, "shape", ()) or ())
+    saved = {integrity.leaf_name(p): shape(x)
+             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    wanted = {integrity.leaf_name(p): shape(x)
+              for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+    if saved == wanted:
+      return
+    where = f"checkpoint {step} ({rundir.step_dir(self.workdir, step)})"
+    other = sorted(k for k in wanted if k in saved and saved[k] != wanted[k])
+    if other:
+      key = other[0]
+      what = (f"holds {key} of shape {saved[key]}, the config gives {wanted[key]}"
+              + (f" ({len(other) - 1} more arrays differ)" if len(other) > 1 else ""))
+    else:
+      gone, new = sorted(set(saved) - set(wanted)), sorted(set(wanted) - set(saved))
+      what = (f"holds {len(saved)} arrays ({', '.join(gone[:2]) or 'none'} not in the "
+              f"config's state), the config's state {len(wanted)} "
+              f"({', '.join(new[:2]) or 'none'} not in the checkpoint)")
+    raise ResumeConfigError(
+        f"{where} {what}: the config does not fit this run (a model shape or optimizer "
+        "changed; config.json, which would name the key, is missing). Use the run's "
+        "config, or start a new --workdir (--config.init.from_run starts from its weights "
+        "if the model shape is kept); the checkpoint was left in place")
 
   def restore_latest(self, abstract_state, data_iterator, log: Callable[[str], None] = print):
     """(step, state) of the newest checkpoint that restores, or (0, None) when there is none.
@@ -169,6 +255,8 @@ class Checkpointer:
       verified = integrity.has_manifest(rundir.step_dir(self.workdir, step))
       try:
         state = self.restore(step, abstract_state, data_iterator)
+      except ResumeConfigError:
+        raise  # the config does not fit: the checkpoint is fine, it stays
       except Exception as e:  # pylint: disable=broad-except  # any failure: try an older one
         reason = str(e) if isinstance(e, integrity.DamagedCheckpoint) else one_line(e)
         moved = self.move_aside(step)
@@ -177,8 +265,12 @@ class Checkpointer:
         failed.append(f"{step}: {reason}")
         continue
       if not verified:
-        log(f"checkpoint {step} has no checksums to verify (written by an older version, or "
-            "killed right after its commit); restored unverified")
+        fingerprint = (self.restored_identity or {}).get("fingerprint")
+        log(f"checkpoint {step} has no checksums (written by an older version, or killed "
+            "right after its commit); checked instead: finite values, shapes"
+            + (", Adam's moments within their bounds" if self.adam else "")
+            + (", the arrays' fingerprint" if fingerprint else
+               "; it has no fingerprint: damage that keeps these is not detected"))
       return step, state
     if failed:
       raise NoRestorableCheckpoint(
