@@ -162,6 +162,25 @@ def test_lock_survives_the_deletion_of_any_file_in_the_run_directory(tmp_path, f
   lock.release()
 
 
+def test_a_refused_trainer_leaves_the_holders_new_run_directory_alone(tmp_path, monkeypatch):
+  """Two trainers started together on a new --workdir: the refused one had looked before the
+  holder made the folder, took it for its own failed start and removed it, holder's files
+  and all."""
+  workdir = str(tmp_path / "new")
+  holder = subprocess.Popen([sys.executable, "-c", _HOLD.format(root=ROOT, workdir=workdir)],
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    _write(tmp_path / "new" / "config.json", "{}")
+    monkeypatch.setattr(rundir, "missing_root", lambda path: workdir)  # "it did not exist"
+    with pytest.raises(runlock.RunDirLocked):
+      train(tiny_config(steps=1), workdir)
+    assert sorted(os.listdir(workdir)) == [rundir.LOCK_FILE, "config.json"]
+  finally:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+
+
 def _write(path, text):
   path.write_text(text)
   return str(path)

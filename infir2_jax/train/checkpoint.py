@@ -7,6 +7,7 @@ incomplete, non-finite) is named with the reason in one line and moved to
 WORKDIR/checkpoints_damaged/, never deleted.
 """
 
+import contextlib
 import errno
 import logging
 import os
@@ -309,9 +310,11 @@ class Checkpointer:
   def close(self) -> None:
     try:
       self.wait()
-    finally:
-      if self._pending is None:  # a failed save was raised already: orbax would raise again
+    except SaveFailed:
+      with contextlib.suppress(Exception):  # orbax raises the same failure again: said once
         self._manager.close()
+      raise
+    self._manager.close()
 
 
 class _TranslateSaveErrors:

@@ -154,6 +154,8 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   try:
     with runlock.hold(workdir):
       return _train(cfg, workdir)
+  except runlock.RunDirLocked:
+    raise  # what is there is the holder's (it may have made the folder after we looked)
   except BaseException:
     # A start that failed (a config or data error, an interrupted compile) leaves no run
     # directory holding only its lock file; one that trained keeps what it wrote.
