@@ -145,7 +145,7 @@ def check_restored(saved: dict[str, Any] | None, current: dict[str, Any], cfg, s
     rundir.append_config_changes(workdir, step, {"data": [saved.get("data"), current["data"]]})
   log(f"{text}; going on with this data from step {step + 1} (recorded in "
       f"{rundir.CONFIG_CHANGES_FILE})" if not deliberate_data else
-      f"{text} (data.* changed in the config)")
+      f"{text}, as the config changes it (recorded with the config change)")
 
 
 def _is_primary() -> bool:

@@ -107,8 +107,9 @@ def check(cfg: TrainConfig, workdir: str, structure: Callable[[TrainConfig], Any
 
 
 def changes_data(changes: dict[str, list[Any]]) -> bool:
-  """Whether the changes name other data (a data.* key that picks what is read)."""
-  return any(k.startswith("data.") and k not in _NOT_DATA_STREAM for k in changes)
+  """Whether the changes give other data on purpose (a data.* key, or the seed, batch or
+  sequence length, which the splits and rows may depend on)."""
+  return any(k.startswith(_DATA_STREAM) and k not in _NOT_DATA_STREAM for k in changes)
 
 
 def record(cfg: TrainConfig, workdir: str, step: int, changes: dict[str, list[Any]]) -> str:
