@@ -59,6 +59,14 @@ def _copy(src, tmp_path, name="run"):
   return dst
 
 
+def _identity(workdir, step):
+  ckpt = checkpoint_lib.Checkpointer(workdir, CheckpointConfig())
+  try:
+    return ckpt.read_identity(step)
+  finally:
+    ckpt.close()
+
+
 def _untouched(workdir):
   """What a refused start must leave as it was: checkpoints, metrics, nothing moved."""
   return (rundir.checkpoint_steps(workdir), train_losses(workdir),
@@ -70,7 +78,7 @@ def _untouched(workdir):
 def test_checkpoints_carry_the_run_identity_and_data_fingerprint(runs):
   run_id = rundir.read_json(os.path.join(runs["a"], rundir.RUN_FILE))["run_id"]
   for step in (2, 4):
-    saved = checkpoint_lib.Checkpointer(runs["a"], CheckpointConfig()).read_identity(step)
+    saved = _identity(runs["a"], step)
     assert saved["run_id"] == run_id and saved["seed"] == 0 and saved["recipe"] == "bf16"
     assert saved["model"]["hidden_size"] == 128 and saved["config"]["seed"] == 0
     assert list(saved["data"]["files"]) == [runs["corpus"]]
@@ -121,6 +129,15 @@ def test_data_that_changed_is_refused_then_accepted_and_recorded(runs, tmp_path,
       f.write(original)
 
 
+def test_other_data_asked_for_in_the_config_is_said_not_refused(runs, tmp_path, capsys):
+  workdir = _copy(runs["a"], tmp_path)
+  other = _corpus(tmp_path / "other.jsonl", chunks=120)
+  train(_cfg(runs, **{"data.source": other}), workdir)
+  out = capsys.readouterr().out
+  assert "the data differs from checkpoint 4 (" in out and "as the config changes it" in out
+  assert f"added: {other}" in out and f"gone: {runs['corpus']}" in out, out
+
+
 def _as_older_code_wrote_it(workdir):
   """No run.json, no `run` item (checksums rewritten to match: a whole checkpoint)."""
   os.remove(os.path.join(workdir, rundir.RUN_FILE))
@@ -137,7 +154,7 @@ def test_a_checkpoint_of_older_code_without_identity_restores_said_once(runs, tm
   out = capsys.readouterr().out
   assert out.count("carries no run identity or data fingerprint") == 1, out
   assert sorted(train_losses(workdir)) == [1, 2, 3, 4, 5, 6]
-  saved = checkpoint_lib.Checkpointer(workdir, CheckpointConfig()).read_identity(6)
+  saved = _identity(workdir, 6)
   assert saved["run_id"] == rundir.read_json(os.path.join(workdir, rundir.RUN_FILE))["run_id"]
 
 

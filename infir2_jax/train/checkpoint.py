@@ -1,10 +1,12 @@
-"""orbax checkpoints of the train state and the data iterator, saved together, and reading
-a run's params back (for a new run, an export or an evaluation).
+"""orbax checkpoints of the train state, the data iterator and the run's identity, saved
+together, and reading a run's params back (for a new run, an export or an evaluation).
 
 Each checkpoint is checksummed as it is written (train/integrity.py) and verified before it
-is restored. Resuming takes the newest checkpoint that restores; one that does not (damaged,
-incomplete, non-finite) is named with the reason in one line and moved to
-WORKDIR/checkpoints_damaged/, never deleted.
+is restored (one without checksums: its fingerprint and Adam's moment bounds). Resuming
+takes the newest checkpoint that restores; one that does not (damaged, incomplete,
+non-finite) is named with the reason in one line and moved to WORKDIR/checkpoints_damaged/,
+never deleted. A config that does not fit the checkpoint is an error and moves nothing.
+A save that fails, in the background or not, is a SaveFailed that stops the run.
 """
 
 import contextlib

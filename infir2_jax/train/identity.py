@@ -71,10 +71,14 @@ def describe(cfg, run_id: str, data: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_id(workdir: str, first_identity: dict[str, Any] | None) -> str:
-  """WORKDIR/run.json's run id; where there is none, the run's oldest checkpoint's (a run
-  of older code: a new one), written to run.json (process 0)."""
+  """WORKDIR/run.json's run id; where there is none (or it is unreadable), the run's oldest
+  checkpoint's (a new run, or one of older code: a new one), written to run.json
+  (process 0)."""
   path = os.path.join(workdir, rundir.RUN_FILE)
-  info = rundir.read_json(path) if os.path.exists(path) else None
+  try:
+    info = rundir.read_json(path)
+  except (OSError, ValueError):  # damaged: the checkpoints know the run id as well
+    info = None
   if isinstance(info, dict) and isinstance(info.get("run_id"), str):
     return info["run_id"]
   rid = (first_identity or {}).get("run_id") or uuid.uuid4().hex[:16]
