@@ -94,6 +94,12 @@ class CheckpointConfig:
   every_steps: int = 50    # save every N optimizer steps (and at the end); 0 = only at the end
   keep: int = 3            # keep the last K checkpoints
   async_save: bool = True  # write in the background while training continues
+  # Resume from a checkpoint written by another run (its run id is not WORKDIR/run.json's),
+  # e.g. one copied in on purpose; refused otherwise (train/identity.py).
+  accept_other_run: bool = False
+  # Resume although the data behind data.source changed since the checkpoint (files, sizes,
+  # contents, token counts); refused otherwise. Recorded in config_changes.jsonl.
+  accept_changed_data: bool = False
 
   def __post_init__(self):
     check_range("checkpoint.every_steps", self.every_steps, 0)

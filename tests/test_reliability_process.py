@@ -136,6 +136,56 @@ def test_lock_of_a_killed_trainer_does_not_block(tmp_path):
   lock.release()
 
 
+@pytest.mark.parametrize("fault", ["delete", "replace", "delete everything"])
+def test_lock_survives_the_deletion_of_any_file_in_the_run_directory(tmp_path, fault):
+  """Issue 36: the lock was an flock on .lock's inode, so deleting .lock let a second trainer
+  in. The holder stays named (from the kernel's lock table when .lock is gone)."""
+  workdir = str(tmp_path)
+  (tmp_path / "metrics.jsonl").write_text("{}\n")
+  holder = subprocess.Popen([sys.executable, "-c", _HOLD.format(root=ROOT, workdir=workdir)],
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    if fault == "replace":   # a new .lock file of another inode, as an editor would write
+      os.replace(_write(tmp_path / "x", "{}"), os.path.join(workdir, rundir.LOCK_FILE))
+    else:
+      for name in os.listdir(workdir) if fault == "delete everything" else [rundir.LOCK_FILE]:
+        os.remove(os.path.join(workdir, name))
+    with pytest.raises(runlock.RunDirLocked, match=f"in use by another trainer "
+                       f"\\(pid {holder.pid} on host"):
+      train(tiny_config(steps=1), workdir)
+  finally:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+  lock = runlock.RunLock(workdir)   # and the dead holder's lock does not block
+  lock.acquire()
+  lock.release()
+
+
+def test_a_refused_trainer_leaves_the_holders_new_run_directory_alone(tmp_path, monkeypatch):
+  """Two trainers started together on a new --workdir: the refused one had looked before the
+  holder made the folder, took it for its own failed start and removed it, holder's files
+  and all."""
+  workdir = str(tmp_path / "new")
+  holder = subprocess.Popen([sys.executable, "-c", _HOLD.format(root=ROOT, workdir=workdir)],
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    _write(tmp_path / "new" / "config.json", "{}")
+    monkeypatch.setattr(rundir, "missing_root", lambda path: workdir)  # "it did not exist"
+    with pytest.raises(runlock.RunDirLocked):
+      train(tiny_config(steps=1), workdir)
+    assert sorted(os.listdir(workdir)) == [rundir.LOCK_FILE, "config.json"]
+  finally:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+
+
+def _write(path, text):
+  path.write_text(text)
+  return str(path)
+
+
 @pytest.mark.slow
 def test_grain_workers_die_with_a_killed_trainer(tmp_path):
   """data.num_workers=2, SIGKILL: the workers (~240 MB each) used to live on for minutes."""

@@ -1,15 +1,20 @@
-"""orbax checkpoints of the train state and the data iterator, saved together, and reading
-a run's params back (for a new run, an export or an evaluation).
+"""orbax checkpoints of the train state, the data iterator and the run's identity, saved
+together, and reading a run's params back (for a new run, an export or an evaluation).
 
 Each checkpoint is checksummed as it is written (train/integrity.py) and verified before it
-is restored. Resuming takes the newest checkpoint that restores; one that does not (damaged,
-incomplete, non-finite) is named with the reason in one line and moved to
-WORKDIR/checkpoints_damaged/, never deleted.
+is restored (one without checksums: its fingerprint and Adam's moment bounds). Resuming
+takes the newest checkpoint that restores; one that does not (damaged, incomplete,
+non-finite) is named with the reason in one line and moved to WORKDIR/checkpoints_damaged/,
+never deleted. A config that does not fit the checkpoint is an error and moves nothing.
+A save that fails, in the background or not, is a SaveFailed that stops the run.
 """
 
+import contextlib
 import errno
 import logging
 import os
+import re
+import resource
 import shutil
 from collections.abc import Callable, Iterator
 
@@ -25,6 +30,7 @@ from infir2_jax.config import CheckpointConfig
 from infir2_jax.data import checkpoint as data_checkpoint
 from infir2_jax.errors import UserError
 from infir2_jax.train import integrity, rundir
+from infir2_jax.train.resume import ResumeConfigError
 
 
 class _NoItemMetadataWarning(logging.Filter):
@@ -40,7 +46,12 @@ class _NoItemMetadataWarning(logging.Filter):
 logging.getLogger("absl").addFilter(_NoItemMetadataWarning())
 
 
-class DiskFullError(UserError, OSError):
+class SaveFailed(UserError, OSError):
+  """A checkpoint save that failed (in the background or not): the run stops at once; the
+  message names the checkpoint, the cause and the fix in one line."""
+
+
+class DiskFullError(SaveFailed):
   """A checkpoint that does not fit on its disk; the message names the directory and sizes."""
 
 
@@ -58,8 +69,13 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, cfg: CheckpointConfig, owner: bool = False,
-               keep_steps: tuple[int, ...] = ()):
+               keep_steps: tuple[int, ...] = (), identity: dict | None = None,
+               adam: tuple[float, float] | None = None):
+    """identity: what each checkpoint carries of its run (train/identity.py), None = no
+    `run` item. adam: (b1, b2), to check the moments of a checkpoint without checksums."""
     self.workdir = workdir
+    self.identity, self.adam = identity, adam
+    self.restored_identity = None  # the `run` item of the checkpoint restore_latest took
     self.directory = rundir.checkpoints_dir(workdir)
     self.cfg = cfg
     self.keep_steps = tuple(keep_steps)
@@ -78,6 +94,7 @@ class Checkpointer:
             enable_async_checkpointing=cfg.async_save, async_options=async_options,
             create=True, **keep))
     self._state_bytes = None
+    self._pending = None  # the step of a save not known to have finished
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -86,15 +103,22 @@ class Checkpointer:
     return self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
 
   def save(self, step: int, state, data_iterator: grain.DatasetIterator | None) -> None:
-    """Saves in the background (async_save) or now; a full disk is a DiskFullError."""
+    """Saves in the background (async_save) or now; any failure is a SaveFailed (a full
+    disk a DiskFullError), the previous background save's included."""
+    self.wait()  # a failed background save: orbax's next save would wait for it forever
+    self._check_writable(step)
     self._check_space(step, state)
     items = {rundir.STATE_ITEM: ocp.args.StandardSave(state)}
     if data_iterator is not None:
       items[rundir.DATA_ITEM] = data_checkpoint.IteratorSave(data_iterator)
-    with _TranslateDiskFull(self, step):
+    if self.identity is not None:
+      items[rundir.RUN_ITEM] = ocp.args.JsonSave(
+          {**self.identity, "fingerprint": integrity.state_fingerprint(state)})
+    self._pending = step
+    with _TranslateSaveErrors(self, step):
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-    if not self.cfg.async_save and self._primary:  # committed already: checksum it now
-      integrity.write_manifest(rundir.step_dir(self.workdir, step))
+      if not self.cfg.async_save and self._primary:  # committed already: checksum it now
+        integrity.write_manifest(rundir.step_dir(self.workdir, step))
 
   def _seal_pending(self) -> None:
     """orbax's post-finalization callback: checksums the step folder orbax is about to
@@ -103,6 +127,20 @@ class Checkpointer:
       for path in rundir.pending_step_dirs(self.workdir):
         if not integrity.has_manifest(path):
           integrity.write_manifest(path)
+
+  def _check_writable(self, step: int) -> None:
+    """SaveFailed unless a folder can be made in checkpoints/: where orbax cannot make the
+    step's folder, its save waits 300 s for a signal that never comes, then fails unclearly.
+    (The probe's name marks it a leftover that the next owner removes, were it killed.)"""
+    probe = os.path.join(self.directory, f"write-probe{rundir.ORBAX_TMP_MARK}-{os.getpid()}")
+    try:
+      os.mkdir(probe)
+      os.rmdir(probe)
+    except OSError as e:
+      if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise DiskFullError(_disk_full_message(self.directory, step, self._state_bytes or 0,
+                                               shutil.disk_usage(self.directory).free)) from None
+      raise SaveFailed(_save_failed_message(self, step, e.errno, e)) from None
 
   def _check_space(self, step: int, state) -> None:
     if self._state_bytes is None:
@@ -122,7 +160,9 @@ class Checkpointer:
       raise integrity.DamagedCheckpoint("the step folder is empty")
     if not rundir.is_committed(path):
       raise integrity.DamagedCheckpoint("it is incomplete (orbax never finished writing it)")
-    integrity.verify(path)
+    verified = integrity.verify(path)
+    identity = self.read_identity(step)
+    self._check_shapes(step, abstract_state)
     items = {rundir.STATE_ITEM: ocp.args.StandardRestore(abstract_state)}
     if data_iterator is not None:
       items[rundir.DATA_ITEM] = data_checkpoint.IteratorRestore(data_iterator)
@@ -130,7 +170,82 @@ class Checkpointer:
     state = restored[rundir.STATE_ITEM]
     if not bool(all_finite(state)):
       raise integrity.DamagedCheckpoint("its state holds NaN or Inf values")
+    if not verified:  # no checksums: what can be checked without them
+      if identity and identity.get("fingerprint"):
+        integrity.check_fingerprint(state, identity["fingerprint"])
+      if self.adam is not None and isinstance(state, dict) and "opt_state" in state:
+        integrity.check_adam_moments(state["opt_state"], *self.adam)
+    self.restored_identity = identity
     return state
+
+  def read_identity(self, step: int) -> dict | None:
+    """The `run` item of checkpoint `step` (None: older code wrote it without one).
+
+    Raises integrity.DamagedCheckpoint where it is there but unreadable."""
+    path = os.path.join(rundir.step_dir(self.workdir, step), rundir.RUN_ITEM)
+    if not os.path.isdir(path):
+      return None
+    try:
+      identity = rundir.read_json(os.path.join(path, "metadata"))
+      if not isinstance(identity, dict):
+        raise ValueError("not an object")
+      return identity
+    except (OSError, ValueError) as e:
+      raise integrity.DamagedCheckpoint(f"its {rundir.RUN_ITEM} item is unreadable "
+                                        f"({type(e).__name__})") from None
+
+  def first_identity(self) -> dict | None:
+    """The `run` item of the oldest checkpoint that has a readable one (the run's own)."""
+    for step in rundir.checkpoint_steps(self.workdir):
+      try:
+        identity = self.read_identity(step)
+      except integrity.DamagedCheckpoint:
+        continue
+      if identity:
+        return identity
+    return None
+
+  def newest_config(self) -> dict | None:
+    """The config the newest committed checkpoint carries (None: none does, or unreadable)."""
+    for step in reversed(rundir.checkpoint_steps(self.workdir)):
+      try:
+        identity = self.read_identity(step)
+      except integrity.DamagedCheckpoint:
+        continue
+      return (identity or {}).get("config")
+    return None
+
+  def _check_shapes(self, step: int, abstract_state) -> None:
+    """ResumeConfigError (nothing moved) when the checkpoint's arrays have other shapes or
+    names than `abstract_state`: a config that does not fit, not damage. An unreadable
+    metadata file is damage (orbax's error, moved aside by restore_latest)."""
+    path = os.path.join(rundir.step_dir(self.workdir, step), rundir.STATE_ITEM)
+    with ocp.PyTreeCheckpointer() as ckptr:
+      meta = ckptr.metadata(path)
+    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
+    shape = lambda x: tuple(getattr(x, "shape", ()) or ())
+    saved = {integrity.leaf_name(p): shape(x)
+             for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    wanted = {integrity.leaf_name(p): shape(x)
+              for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+    if saved == wanted:
+      return
+    where = f"checkpoint {step} ({rundir.step_dir(self.workdir, step)})"
+    other = sorted(k for k in wanted if k in saved and saved[k] != wanted[k])
+    if other:
+      key = other[0]
+      what = (f"holds {key} of shape {saved[key]}, the config gives {wanted[key]}"
+              + (f" ({len(other) - 1} more arrays differ)" if len(other) > 1 else ""))
+    else:
+      gone, new = sorted(set(saved) - set(wanted)), sorted(set(wanted) - set(saved))
+      what = (f"holds {len(saved)} arrays ({', '.join(gone[:2]) or 'none'} not in the "
+              f"config's state), the config's state {len(wanted)} "
+              f"({', '.join(new[:2]) or 'none'} not in the checkpoint)")
+    raise ResumeConfigError(
+        f"{where} {what}: the config does not fit this run (a model shape or optimizer "
+        "changed; config.json, which would name the key, is missing). Use the run's "
+        "config, or start a new --workdir (--config.init.from_run starts from its weights "
+        "if the model shape is kept); the checkpoint was left in place")
 
   def restore_latest(self, abstract_state, data_iterator, log: Callable[[str], None] = print):
     """(step, state) of the newest checkpoint that restores, or (0, None) when there is none.
@@ -143,6 +258,8 @@ class Checkpointer:
       verified = integrity.has_manifest(rundir.step_dir(self.workdir, step))
       try:
         state = self.restore(step, abstract_state, data_iterator)
+      except ResumeConfigError:
+        raise  # the config does not fit: the checkpoint is fine, it stays
       except Exception as e:  # pylint: disable=broad-except  # any failure: try an older one
         reason = str(e) if isinstance(e, integrity.DamagedCheckpoint) else one_line(e)
         moved = self.move_aside(step)
@@ -151,8 +268,12 @@ class Checkpointer:
         failed.append(f"{step}: {reason}")
         continue
       if not verified:
-        log(f"checkpoint {step} has no checksums to verify (written by an older version, or "
-            "killed right after its commit); restored unverified")
+        fingerprint = (self.restored_identity or {}).get("fingerprint")
+        log(f"checkpoint {step} has no checksums (written by an older version, or killed "
+            "right after its commit); checked instead: finite values, shapes"
+            + (", Adam's moments within their bounds" if self.adam else "")
+            + (", the arrays' fingerprint" if fingerprint else
+               "; it has no fingerprint: damage that keeps these is not detected"))
       return step, state
     if failed:
       raise NoRestorableCheckpoint(
@@ -171,18 +292,37 @@ class Checkpointer:
     self._manager.reload()
     return target
 
+  def poll(self) -> None:
+    """Raises SaveFailed as soon as a background save has failed, without waiting for one
+    still running: the loop calls it every step, so training never goes on for long past a
+    checkpoint that was not written. Single-process only (orbax's wait is collective); a
+    multi-process run learns it at its next save."""
+    if (self._pending is not None and jax.process_count() == 1
+        and not self._manager.is_saving_in_progress()):
+      self.wait()
+
   def wait(self) -> None:
-    with _TranslateDiskFull(self, None):
+    """Waits for the background save; SaveFailed if it failed (raised once)."""
+    if self._pending is None:
+      return
+    with _TranslateSaveErrors(self, self._pending):
       self._manager.wait_until_finished()
+    self._pending = None
 
   def close(self) -> None:
-    with _TranslateDiskFull(self, None):
-      self._manager.wait_until_finished()
+    try:
+      self.wait()
+    except SaveFailed:
+      with contextlib.suppress(Exception):  # orbax raises the same failure again: said once
+        self._manager.close()
+      raise
     self._manager.close()
 
 
-class _TranslateDiskFull:
-  """Turns ENOSPC from orbax / tensorstore (however wrapped) into one DiskFullError line."""
+class _TranslateSaveErrors:
+  """Turns a failed save (orbax / tensorstore errors, however wrapped) into one SaveFailed
+  line: a full disk (ENOSPC, EDQUOT), a file-size limit (EFBIG), a folder that cannot be
+  written (EACCES, EPERM, EROFS), or anything else. The half-written step is removed."""
 
   def __init__(self, checkpointer: Checkpointer, step: int | None):
     self.checkpointer, self.step = checkpointer, step
@@ -191,24 +331,65 @@ class _TranslateDiskFull:
     return self
 
   def __exit__(self, exc_type, exc, tb):
-    if exc is None or not _is_disk_full(exc):
+    if exc is None or not isinstance(exc, Exception) or isinstance(exc, SaveFailed):
       return False
     ckpt = self.checkpointer
+    ckpt._pending = None  # pylint: disable=protected-access  # reported here, once
     if ckpt._primary:  # pylint: disable=protected-access
       rundir.remove_tmp_leftovers(ckpt.workdir)  # the half-written step: give the space back
-    needed = ckpt._state_bytes or 0  # pylint: disable=protected-access
-    raise DiskFullError(_disk_full_message(
-        ckpt.directory, self.step, needed, shutil.disk_usage(ckpt.directory).free)) from None
+    code = _os_error_code(exc)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+      needed = ckpt._state_bytes or 0  # pylint: disable=protected-access
+      raise DiskFullError(_disk_full_message(
+          ckpt.directory, self.step, needed, shutil.disk_usage(ckpt.directory).free)) from None
+    raise SaveFailed(_save_failed_message(ckpt, self.step, code, exc)) from exc
 
 
-def _is_disk_full(exc: BaseException) -> bool:
+# How errors of a save show their cause: OSError.errno, tensorstore's text, or strerror.
+_ERRNO_TEXT = {errno.ENOSPC: "No space left on device", errno.EFBIG: "File too large",
+               errno.EROFS: "Read-only file system", errno.EACCES: "Permission denied",
+               errno.EPERM: "Operation not permitted", errno.EDQUOT: "Disk quota exceeded"}
+
+
+def _os_error_code(exc: BaseException) -> int | None:
+  """The errno of the first OSError cause in `exc`'s chain (found in the text of wrapped
+  tensorstore errors too), or None."""
   seen = set()
   while exc is not None and id(exc) not in seen:
     seen.add(id(exc))
-    if getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc):
-      return True
+    if isinstance(getattr(exc, "errno", None), int):
+      return exc.errno
+    match = re.search(r"os_error_code='(\d+)'", str(exc))
+    if match:
+      return int(match.group(1))
+    for code, text in _ERRNO_TEXT.items():
+      if text in str(exc):
+        return code
     exc = exc.__cause__ or exc.__context__
-  return False
+  return None
+
+
+def _save_failed_message(ckpt: Checkpointer, step: int | None, code: int | None,
+                         exc: BaseException) -> str:
+  which = f"checkpoint {step}" if step is not None else "a checkpoint"
+  done = rundir.checkpoint_steps(ckpt.workdir)
+  resume = (f"re-run the same command to resume from checkpoint {done[-1]}" if done else
+            "re-run the same command (no checkpoint was written: it starts over)")
+  if code == errno.EFBIG:
+    cause = (f"a file of it is larger than this process may write (the file-size limit, "
+             f"`ulimit -f`, is {_fsize_limit()}). Raise the limit (`ulimit -f unlimited`)")
+  elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+    cause = (f"{ckpt.directory} cannot be written ({os.strerror(code)}). Make it writable "
+             "(permissions, a read-only or immutable folder or mount)")
+  else:
+    cause = f"{one_line(exc)}. Fix the cause"
+  return f"{which} could not be saved in {ckpt.directory}: {cause}, then {resume}; the run " \
+         "stopped so that no step goes on unsaved"
+
+
+def _fsize_limit() -> str:
+  soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+  return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
 
 
 def _disk_full_message(directory: str, step: int | None, needed: int, free: int) -> str:

@@ -18,7 +18,7 @@ from infir2_jax.errors import ConfigError
 from infir2_jax.train import rundir
 
 # Read only for a new run: a resumed run's state comes from its checkpoint.
-_IGNORED = ("init.",)
+_IGNORED = ("init.", "checkpoint.accept_")   # the accept_* flags hold for one start
 # Keys whose change gives another data stream from the resumed step on.
 _DATA_STREAM = ("seed", "batch_size", "seq_len", "data.")
 _NOT_DATA_STREAM = ("data.num_workers", "data.prefetch", "data.cache_dir")
@@ -74,14 +74,15 @@ def config_of(values: dict[str, Any]) -> TrainConfig:
   return TrainConfig.from_config_dict(ml_collections.ConfigDict(tree))
 
 
-def check(cfg: TrainConfig, workdir: str,
-          structure: Callable[[TrainConfig], Any]) -> dict[str, list[Any]]:
-  """The changes of `cfg` against the run's config.json ({} when there is none).
+def check(cfg: TrainConfig, workdir: str, structure: Callable[[TrainConfig], Any],
+          saved: dict[str, Any] | None = None) -> dict[str, list[Any]]:
+  """The changes of `cfg` against the run's config.json, else against `saved` (the config
+  the newest checkpoint carries); {} when there is neither.
 
   Raises:
     ResumeConfigError: the changes give the train state another structure; names the keys.
   """
-  old = rundir.config_dict(workdir)
+  old = rundir.config_dict(workdir) or saved
   if old is None:
     return {}
   changes = changed_keys(old, cfg.to_dict())
@@ -103,6 +104,12 @@ def check(cfg: TrainConfig, workdir: str,
       f"{workdir} cannot resume with {listed}: its checkpoints hold a train state of another "
       f"shape. Use the run's values (config.json), or start a new --workdir "
       f"(--config.init.from_run={workdir} starts from its weights if the model shape is kept)")
+
+
+def changes_data(changes: dict[str, list[Any]]) -> bool:
+  """Whether the changes give other data on purpose (a data.* key, or the seed, batch or
+  sequence length, which the splits and rows may depend on)."""
+  return any(k.startswith(_DATA_STREAM) and k not in _NOT_DATA_STREAM for k in changes)
 
 
 def record(cfg: TrainConfig, workdir: str, step: int, changes: dict[str, list[Any]]) -> str:

@@ -8,14 +8,18 @@
   WORKDIR/config_changes.jsonl       config keys changed on a resume: {"step", "changes"}
   WORKDIR/checkpoints/<step>/state   the train state (orbax: step, params, opt_state)
   WORKDIR/checkpoints/<step>/data    the data iterator's state (grain)
+  WORKDIR/checkpoints/<step>/run     the run's identity and data fingerprint (identity.py),
+                                     the arrays' fingerprint (integrity.py)
   WORKDIR/checkpoints/<step>/checksums.json   sha256 of each file of the step (integrity.py)
   WORKDIR/checkpoints_damaged/<step>  checkpoints that failed to restore, moved aside
   WORKDIR/checkpoints_rewound/<step>  checkpoints after the one a continued run restarted
                                      from (opt.rewind_to_stable), moved aside
   WORKDIR/profile/                   traces of the steps profile.* asked for (jax.profiler)
+  WORKDIR/run.json                   the run id, made at the run's first start (identity.py)
   WORKDIR/trackers.json              W&B / MLflow run ids (log.wandb, log.mlflow): a resume
                                      logs to the same tracker run
-  WORKDIR/.lock                      held (flock) by the trainer of the run: pid and host
+  WORKDIR/.lock                      who holds the run (pid, host); the trainer flocks it and
+                                     WORKDIR itself (train/runlock.py)
 """
 
 import json
@@ -37,8 +41,10 @@ REWOUND_DIR = "checkpoints_rewound"
 PROFILE_DIR = "profile"
 TRACKERS_FILE = "trackers.json"
 LOCK_FILE = ".lock"
+RUN_FILE = "run.json"
 STATE_ITEM = "state"   # orbax item names inside a checkpoint step
 DATA_ITEM = "data"
+RUN_ITEM = "run"       # JSON: identity.describe() and the arrays' fingerprint
 # orbax writes a step into "<step>.orbax-checkpoint-tmp..." and renames it when complete;
 # it writes _CHECKPOINT_METADATA into the folder before that rename.
 ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"

@@ -1,8 +1,12 @@
-"""One trainer per run directory: an OS lock (flock) on WORKDIR/.lock, with pid and host.
+"""One trainer per run directory: OS locks (flock) on WORKDIR itself and on WORKDIR/.lock.
 
-The kernel drops the lock when its process dies, however it dies, so a stale lock of a
-killed trainer never blocks the next one. The file keeps who holds it, for the message
-the second trainer gets. In a multi-process job process 0 takes the lock for all.
+The lock on the directory's own inode is the one that counts: deleting or replacing any file
+in the run directory (`.lock` included) cannot release it, so a second trainer is always
+refused. `.lock` keeps who holds the run (pid, host, since) for the message the second
+trainer gets, and is flocked too, for trainers of older versions that lock only that file.
+Where `.lock` was deleted, the holder is found in the kernel's lock table (/proc/locks).
+The kernel drops both locks when their process dies, however it dies, so a killed trainer
+never blocks the next one. In a multi-process job process 0 takes the lock for all.
 """
 
 import contextlib
@@ -23,47 +27,95 @@ class RunDirLocked(UserError, RuntimeError):
 
 
 class RunLock:
-  """flock(LOCK_EX | LOCK_NB) on WORKDIR/.lock; acquire() raises RunDirLocked if taken."""
+  """flock(LOCK_EX | LOCK_NB) on WORKDIR and WORKDIR/.lock; acquire() raises RunDirLocked if
+  another process holds either."""
 
   def __init__(self, workdir: str):
     self.workdir = workdir
     self.path = os.path.join(workdir, rundir.LOCK_FILE)
-    self._fd = None
+    self._fds: list[int] = []
 
   def acquire(self) -> None:
     os.makedirs(self.workdir, exist_ok=True)
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      holder = _read_holder(fd)
-      os.close(fd)
-      raise RunDirLocked(
-          f"{os.path.abspath(self.workdir)} is in use by another trainer ({holder}): two "
-          "trainers would mix their checkpoints and metrics. Wait for it to finish or stop "
-          "it, or give this run another --workdir") from None
-    except OSError as e:  # a filesystem without flock (some network mounts): go on unlocked
-      print(f"warning: cannot lock {self.path} ({e}); nothing stops a second trainer on "
-            "this run directory")
+      self._lock(os.open(self.workdir, os.O_RDONLY | os.O_DIRECTORY))
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      locked = self._lock(fd)
+    except BaseException:
+      self.release()
+      raise
+    if not locked:
+      return
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                              "since": datetime.datetime.now().isoformat(timespec="seconds")
                              }).encode())
-    self._fd = fd
+
+  def _lock(self, fd: int) -> bool:
+    """Locks `fd` (kept open until release()); False on a filesystem without flock."""
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      os.close(fd)
+      raise RunDirLocked(
+          f"{os.path.abspath(self.workdir)} is in use by another trainer ({self.holder()}): "
+          "two trainers would mix their checkpoints and metrics. Wait for it to finish or "
+          "stop it, or give this run another --workdir") from None
+    except OSError as e:  # a filesystem without flock (some network mounts): go on unlocked
+      os.close(fd)
+      print(f"warning: cannot lock {self.workdir} ({e}); nothing stops a second trainer on "
+            "this run directory")
+      return False
+    self._fds.append(fd)
+    return True
+
+  def holder(self) -> str:
+    """Who holds the run: `.lock`'s pid, host and start, else the kernel's lock table."""
+    try:
+      with open(self.path) as f:
+        info = json.loads(f.read() or "{}")
+      if _alive(info["pid"]) or info["host"] != socket.gethostname():
+        return f"pid {info['pid']} on host {info['host']}, since {info['since']}"
+    except (ValueError, KeyError, TypeError, OSError):
+      pass
+    pid = _flock_holder(self.workdir)
+    if pid is not None:
+      return (f"pid {pid} on host {socket.gethostname()} (from the kernel's lock table: "
+              f"{rundir.LOCK_FILE} was deleted or rewritten)")
+    return "holder unknown"
 
   def release(self) -> None:
-    if self._fd is not None:  # the file stays: deleting a lock file races with the next taker
-      fcntl.flock(self._fd, fcntl.LOCK_UN)
-      os.close(self._fd)
-      self._fd = None
+    # The files stay: deleting a lock file races with the next taker.
+    for fd in reversed(self._fds):
+      fcntl.flock(fd, fcntl.LOCK_UN)
+      os.close(fd)
+    self._fds = []
 
 
-def _read_holder(fd: int) -> str:
+def _alive(pid: int) -> bool:
   try:
-    info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    return f"pid {info['pid']} on host {info['host']}, since {info['since']}"
-  except (ValueError, KeyError, OSError):
-    return "holder unknown"
+    os.kill(int(pid), 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, ValueError, TypeError):
+    return True
+  return True
+
+
+def _flock_holder(path: str) -> int | None:
+  """The pid holding a flock on `path`'s inode, from /proc/locks (Linux), or None."""
+  try:
+    st = os.stat(path)
+    with open("/proc/locks") as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return None
+  inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+  for line in lines:
+    fields = line.split()
+    if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == inode:
+      return int(fields[4])
+  return None
 
 
 @contextlib.contextmanager

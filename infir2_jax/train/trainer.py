@@ -21,8 +21,8 @@ from infir2_jax.errors import ConfigError, UserError
 from infir2_jax.model import Qwen2, init_params, projections
 from infir2_jax.model.attention import check_documents, uses_packed_documents
 from infir2_jax.precision import make_dot_general_factory, telemetry
-from infir2_jax.train import (continuation, loggers, preemption, preflight, resume, rundir,
-                              runlock, startup)
+from infir2_jax.train import (continuation, identity, loggers, preemption, preflight, resume,
+                              rundir, runlock, startup)
 from infir2_jax.train.checkpoint import Checkpointer, all_finite, restore_params
 from infir2_jax.train.metrics import MetricsWriter, peak_flops_per_device, perplexity
 from infir2_jax.train.optim import make_optimizer, make_schedule, stable_end
@@ -155,6 +155,8 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   try:
     with runlock.hold(workdir):
       return _train(cfg, workdir)
+  except runlock.RunDirLocked:
+    raise  # what is there is the holder's (it may have made the folder after we looked)
   except BaseException:
     # A start that failed (a config or data error, an interrupted compile) leaves no run
     # directory holding only its lock file; one that trained keeps what it wrote.
@@ -213,7 +215,11 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
     preflight.check_state(cfg, structs, budget, len(place.mesh.local_devices), log=_print0)
     beside = preflight.state_fits_beside_compile(structs, budget, len(place.mesh.local_devices))
   checkpointer = Checkpointer(workdir, cfg.checkpoint, owner=True,
-                              keep_steps=_decay_start_checkpoint(cfg))
+                              keep_steps=_decay_start_checkpoint(cfg),
+                              adam=(cfg.opt.b1, cfg.opt.b2))
+  checkpointer.identity = identity.describe(
+      cfg, identity.run_id(workdir, checkpointer.first_identity()),
+      identity.data_fingerprint(cfg.data, data.stats))
   train_iter = iter(data.train)
   state_clock = startup.PhaseClock()
   get_state = functools.partial(_restored_or_initial_state, cfg, workdir, checkpointer, structs,
@@ -333,9 +339,12 @@ def _resume(cfg, workdir, checkpointer, structs, train_iter):
   checkpoint could be taken for damaged); other changes are recorded once resumed.
   """
   try:
-    changes = (resume.check(cfg, workdir, _state_structure)
+    changes = (resume.check(cfg, workdir, _state_structure, checkpointer.newest_config())
                if rundir.checkpoint_steps(workdir) else {})
     start_step, restored = checkpointer.restore_latest(structs, train_iter, log=_print0)
+    if restored is not None:  # its run and data (train/identity.py), before any training
+      identity.check_restored(checkpointer.restored_identity, checkpointer.identity, cfg,
+                              start_step, workdir, resume.changes_data(changes), _print0)
   except BaseException:
     checkpointer.close()
     raise
@@ -441,6 +450,7 @@ class _Loop:
     cfg = self.cfg
     pending = None  # (step, device metrics) of the previous step, read while the next one runs
     for step in range(self.start_step + 1, cfg.steps + 1):
+      self.checkpointer.poll()  # a failed background save stops the run before this step
       batch = _global_batch(self.place.checked(next(train_iter)), self.place.batch,
                             cfg.batch_size)
       self.profiler.start(step)
