@@ -148,6 +148,7 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   One trainer per workdir (train/runlock.py). SIGTERM and SIGINT save a checkpoint at the
   next step and raise preemption.Preempted (a SystemExit).
   """
+  rundir.check_workdir(workdir)
   created = rundir.missing_root(workdir)
   fresh = created is not None or not os.listdir(workdir)
   try:
