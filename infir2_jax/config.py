@@ -356,12 +356,25 @@ def check_override_flags(argv: list[str], flag: str = "config") -> None:
   Done before absl parses the flags so the error names the key and lists the valid ones.
   """
   valid = flat_keys()
+  defaults = None
   for arg in argv[1:]:
     if not arg.startswith(f"--{flag}."):
       continue
-    key = arg[len(flag) + 3:].split("=", 1)[0]
+    key, has_value, text = arg[len(flag) + 3:].partition("=")
     if key not in valid:
       raise unknown_key_error(key, valid, f" in {arg!r}")
+    defaults = defaults or default_config()
+    default = defaults
+    for name in key.split("."):
+      default = default[name]
+    # absl would end with "FATAL Flags parsing error" for a number it cannot parse.
+    parse = {int: int, float: float}.get(type(default))
+    if has_value and parse:
+      try:
+        parse(text)
+      except ValueError:
+        raise ConfigError(f"{arg}: {key} must be {type(default).__name__}, got "
+                          f"{text!r}") from None
 
 
 def load_config(spec: str = "", overrides: "dict[str, Any] | Sequence[str]" = ()) -> TrainConfig:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 import typing
 
 import numpy as np
@@ -121,3 +122,16 @@ def test_b2_bound_is_where_adam_turns_nan(b2):
 def test_smallest_normal_eps_and_tiny_lr_are_accepted():
   cfg = load_config(overrides={"opt.eps": FLOAT32_TINY, "opt.lr": 1e-30, "opt.b2": 0.9999999})
   assert cfg.opt.eps == FLOAT32_TINY
+
+
+@pytest.mark.parametrize("flag", ["--config.steps=abc", "--config.opt.lr=fast",
+                                  "--config.seed=1.5"])
+def test_a_number_flag_that_does_not_parse_is_a_config_error(flag):
+  """absl ends such a flag with 'FATAL Flags parsing error'; the check before it names the
+  flag, the key and its type (found by scripts/fault_injection.py, issue 36)."""
+  from infir2_jax.config import check_override_flags  # pylint: disable=g-import-not-at-top
+  from infir2_jax.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError, match=re.escape(flag) + ".* must be (int|float)"):
+    check_override_flags(["train", flag])
+  check_override_flags(["train", "--config.steps=5", "--config.opt.lr=1e-3",
+                        "--config.opt.lr=nan", "--config.data.source=x.jsonl"])
