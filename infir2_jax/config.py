@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import ml_collections
+import numpy as np
 
 from infir2_jax.data.config import DataConfig
 from infir2_jax.errors import ConfigError, NotFound
@@ -43,6 +44,31 @@ def check_range(key: str, value, lo: float = -math.inf, hi: float = math.inf, *,
     raise ConfigError(f"{key}={value!r} is out of range: it must be a finite number in {bounds}")
 
 
+# The state and the update are float32: a value below its smallest normal number is flushed
+# to 0 by XLA (CPU and GPU), one above its largest is inf.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_float32_normal(key: str, value, why: str) -> None:
+  """check_range(key, value, > 0), and a ConfigError unless the value is a normal float32;
+  `why` says what a flushed (or overflowing) value would do to the run."""
+  check_range(key, value, 0.0, lo_open=True)
+  if not FLOAT32_TINY <= value <= FLOAT32_MAX:
+    raise ConfigError(f"{key}={value!r} is outside float32's normal range [{FLOAT32_TINY:g}, "
+                      f"{FLOAT32_MAX:g}]: {why}")
+
+
+def check_decay_rate(key: str, value) -> None:
+  """An Adam decay rate in [0, 1) that stays below 1 in float32 (0.99999999 rounds to 1.0,
+  and Adam's bias correction 1 - b**t is then 0: the first update is 0/0 = NaN)."""
+  check_range(key, value, 0.0, 1.0, hi_open=True)
+  if np.float32(value) == 1.0:
+    raise ConfigError(f"{key}={value!r} rounds to 1.0 in float32, so Adam's bias correction "
+                      f"1 - {key.rpartition('.')[2]}**t is 0 and the first update is NaN; use "
+                      "at most 0.9999999 (1 - 1e-7)")
+
+
 def _bound(x: float) -> str:
   return {math.inf: "inf", -math.inf: "-inf"}.get(x, f"{x:g}")
 
@@ -56,7 +82,7 @@ class OptConfig:
   min_lr_ratio: float = 0.1        # final lr = lr * min_lr_ratio (wsd and cosine)
   b1: float = 0.9                  # Adam first-moment decay, in [0, 1)
   b2: float = 0.95                 # Adam second-moment decay, in [0, 1)
-  eps: float = 1e-8                # Adam denominator epsilon, > 0 (0 gives 0/0 = NaN)
+  eps: float = 1e-8                # Adam denominator epsilon, float32-normal (>= 1.2e-38)
   weight_decay: float = 0.1        # decoupled; never applied to norms or biases
   clip_norm: float = 1.0           # global-norm clipping (0 = off)
   # The run length the schedule's warm-up and decay are laid out for (0 = steps); steps past
@@ -75,14 +101,20 @@ class OptConfig:
   def __post_init__(self):
     if self.schedule not in ("wsd", "cosine", "constant"):
       raise ConfigError(f"opt.schedule={self.schedule!r}; valid: 'wsd', 'cosine', 'constant'")
-    check_range("opt.lr", self.lr, 0.0, lo_open=True)
+    check_float32_normal("opt.lr", self.lr, "a smaller lr is 0 in float32 (nothing trains), "
+                         "a larger one inf")
     check_range("opt.warmup_steps", self.warmup_steps, 0)
     check_range("opt.decay_fraction", self.decay_fraction, 0.0, 1.0)
     check_range("opt.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-    check_range("opt.b1", self.b1, 0.0, 1.0, hi_open=True)
-    check_range("opt.b2", self.b2, 0.0, 1.0, hi_open=True)
-    check_range("opt.eps", self.eps, 0.0, lo_open=True)
+    check_decay_rate("opt.b1", self.b1)
+    check_decay_rate("opt.b2", self.b2)
+    check_float32_normal("opt.eps", self.eps, "a smaller eps flushes to 0, and Adam's update "
+                         "m / (sqrt(v) + eps) of a parameter without gradient is 0/0 = NaN at "
+                         "step 1; the usual values are 1e-8 to 1e-15")
     check_range("opt.weight_decay", self.weight_decay, 0.0)
+    if self.weight_decay > FLOAT32_MAX:
+      raise ConfigError(f"opt.weight_decay={self.weight_decay!r} is inf in float32 "
+                        f"(largest {FLOAT32_MAX:g})")
     check_range("opt.clip_norm", self.clip_norm, 0.0)
     check_range("opt.schedule_steps", self.schedule_steps, 0)
     if self.moments not in ("fp32", "bf16", "fp8"):
@@ -330,12 +362,25 @@ def check_override_flags(argv: list[str], flag: str = "config") -> None:
   Done before absl parses the flags so the error names the key and lists the valid ones.
   """
   valid = flat_keys()
+  defaults = None
   for arg in argv[1:]:
     if not arg.startswith(f"--{flag}."):
       continue
-    key = arg[len(flag) + 3:].split("=", 1)[0]
+    key, has_value, text = arg[len(flag) + 3:].partition("=")
     if key not in valid:
       raise unknown_key_error(key, valid, f" in {arg!r}")
+    defaults = defaults or default_config()
+    default = defaults
+    for name in key.split("."):
+      default = default[name]
+    # absl would end with "FATAL Flags parsing error" for a number it cannot parse.
+    parse = {int: int, float: float}.get(type(default))
+    if has_value and parse:
+      try:
+        parse(text)
+      except ValueError:
+        raise ConfigError(f"{arg}: {key} must be {type(default).__name__}, got "
+                          f"{text!r}") from None
 
 
 def load_config(spec: str = "", overrides: "dict[str, Any] | Sequence[str]" = ()) -> TrainConfig:

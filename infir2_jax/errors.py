@@ -9,6 +9,7 @@ FileNotFoundError), so code that caught those still does.
 """
 
 import contextlib
+import json
 import os
 import sys
 
@@ -29,6 +30,31 @@ class DataError(UserError, ValueError):
 
 class NotFound(UserError, FileNotFoundError):
   """A file, directory or run that was named and does not exist."""
+
+
+class DamagedFile(UserError, ValueError):
+  """A file the program reads that is truncated, empty or not in its format."""
+
+
+def damaged_file(path: str, problem: str, fix: str) -> DamagedFile:
+  """The one-line error for a damaged file: its path, what is wrong with it, what to do."""
+  return DamagedFile(f"{path} is damaged ({problem}): {fix}")
+
+
+def read_json_file(path: str, fix: str):
+  """The JSON value in `path`; a truncated or invalid file is a DamagedFile naming it.
+
+  json's own error ("Expecting value: line 1 column 1") names no file, and the files read
+  this way (a run's config.json, prepared.json, an HF config.json) are ones a killed copy or
+  a full disk can cut short.
+  """
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+    return json.loads(data.decode("utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    what = "empty" if not data.strip() else f"not valid JSON: {e}"
+    raise damaged_file(path, f"{len(data)} bytes, {what}", fix) from None
 
 
 def debug_requested(argv=None) -> bool:

@@ -1,9 +1,10 @@
 """Fault injection against your own training setup: SIGKILLs at random moments, damaged
 checkpoints; reports whether the run came out as if nothing had happened.
 
-  python scripts/fault_injection.py [--kills=10] [--seed=0] [--during_save=0.3]
-      [--damage=all|none|flip_byte,random_4k,...] [--workdir=/tmp/fault_injection]
-      [--out=fault_injection.json] [--reuse_reference]
+  python scripts/fault_injection.py [--families=all|cheap|kills,signals,damage,config,...]
+      [--quick] [--kills=10] [--signals=5] [--seed=0] [--during_save=0.3]
+      [--during_eval=0.2] [--damage=all|none|flip_byte,random_4k,...] [--jobs=2]
+      [--workdir=/tmp/fault_injection] [--out=fault_injection.json] [--reuse_reference]
       [trainer flags: --config=... --config.a.b=v ...]
 
 1. The reference: the trainer (`python -m infir2_jax.train` with your flags) runs once,
@@ -17,6 +18,13 @@ checkpoints; reports whether the run came out as if nothing had happened.
 3. Damage: for each kind, a copy of the reference run has its newest checkpoint damaged and
    the command is run again; it must fall back to the previous checkpoint and train to the
    same end.
+4. Signals: as 2, with SIGTERM and then SIGINT (`--signals` each): the trainer must save at
+   the next step and exit 143 / 130; the run must still end as the reference.
+5. The families of scripts/fault_families.py (nonsense configs, damaged files, broken
+   data, exports and imports, configs changed on resume, diverging numerics, full disks,
+   concurrent trainers/exports/evaluations): each fault is one start whose outcome is put
+   in a class (ok, data lost, corrupt state used, silently wrong, hang, leak, unclear
+   error); `--families=cheap` runs the ones that need no training.
 Each faulted run is compared with the reference: every train and eval loss, and the final
 checkpoint (every array of the state, and the data iterator's position), bit for bit; and
 TensorBoard: each step's loss scalar present (purge semantics) and no torn event file.
@@ -48,9 +56,15 @@ sys.path.insert(0, ROOT)
 
 from infir2_jax.train import checkpoint as checkpoint_lib  # noqa: E402
 from infir2_jax.train import rundir  # noqa: E402
+import fault_families  # noqa: E402  (scripts/ is sys.path[0])
 
 DAMAGE_KINDS = ("flip_byte", "random_4k", "truncate", "data_position", "state_metadata",
-                "delete_data_item", "empty_newer_step")
+                "delete_data_item", "empty_newer_step", "delete_checksums", "flip_unverified",
+                "truncate_checksums", "delete_step_metadata", "zero_state_file",
+                "data_item_garbage", "foreign_checkpoint")
+# Damage the trainer must report (or refuse), not only fall back from: a foreign checkpoint
+# restores fine, so only a check of its identity sees it.
+REPORTED = fault_families.REPORTED
 
 
 # Running the trainer.
@@ -120,8 +134,10 @@ def _descendants(pid):
 
 
 def one_kill(trainer_args, workdir, rng, step_time, total_steps, during_save, kills_left,
-             log):
-  """Starts the trainer, SIGKILLs it at a random moment; returns what happened.
+             log, signum=signal.SIGKILL, during_eval=0.0, eval_every=0):
+  """Starts the trainer, sends it `signum` at a random moment (or while a checkpoint is
+  written, or right after an eval step's train row: during its evaluation); returns what
+  happened. SIGTERM and SIGINT must end it (exit 143 / 130) after a checkpoint.
 
   The moment is uniform in the next 2 / (kills_left + 1) of the remaining training, so the
   kills spread over the whole run rather than bunching up at its end.
@@ -137,8 +153,14 @@ def one_kill(trainer_args, workdir, rng, step_time, total_steps, during_save, ki
     if len(records) > logged_before:
       resumed = records[logged_before] - 1
     time.sleep(0.02)
-  aim_save = rng.random() < during_save
-  if aim_save:
+  aim = rng.random()
+  aim_save = aim < during_save
+  aim_eval = not aim_save and eval_every and aim < during_save + during_eval
+  if aim_eval:   # the eval of step N runs right after step N's train row is logged
+    target = (max(_train_records(workdir)) // eval_every + 1) * eval_every
+    while proc.poll() is None and max(_train_records(workdir)) < min(target, total_steps):
+      time.sleep(0.005)
+  elif aim_save:
     deadline = time.monotonic() + (total_steps - resumed) * step_time * 2
     while not _writing_checkpoint(workdir) and proc.poll() is None:
       if time.monotonic() > deadline:
@@ -153,14 +175,20 @@ def one_kill(trainer_args, workdir, rng, step_time, total_steps, during_save, ki
   during_write = _writing_checkpoint(workdir)
   if proc.poll() is not None:
     return {"finished_before_kill": True, "resumed_from": resumed}
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
+  proc.send_signal(signum)
+  try:
+    returncode = proc.wait(timeout=None if signum == signal.SIGKILL else 600)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    returncode = "hang"
   at = time.monotonic() - t0
   records = _train_records(workdir)
   _, leaked = psutil.wait_procs(children, timeout=10)
   for c in leaked:  # do not leave them behind on this machine either
     c.kill()
   return {"seconds_after_start": round(at, 2), "resumed_from": resumed,
+          "signal": signal.Signals(signum).name, "returncode": returncode,
+          "aimed_at_eval": bool(aim_eval),
           "last_step_logged": max(records) if records else 0, "aimed_at_save": aim_save,
           "during_checkpoint_write": during_write,
           "committed_checkpoints": rundir.checkpoint_steps(workdir),
@@ -213,7 +241,45 @@ def damage(workdir, kind, rng):
   if kind == "empty_newer_step":
     os.makedirs(rundir.step_dir(workdir, step + 1000))
     return f"empty folder checkpoints/{step + 1000}"
+  manifest = os.path.join(step_dir, "checksums.json")
+  if kind in ("delete_checksums", "flip_unverified"):
+    os.remove(manifest)
+    if kind == "flip_unverified":   # then nothing but the restore itself can see the flip
+      damage(workdir, "flip_byte", rng)
+    return "checksums.json deleted" + (", then a byte flipped" if kind != "delete_checksums"
+                                       else "")
+  if kind == "truncate_checksums":
+    with open(manifest, "r+b") as f:
+      f.truncate(os.path.getsize(manifest) // 2)
+    return "checksums.json cut to half"
+  if kind == "delete_step_metadata":
+    os.remove(os.path.join(step_dir, rundir.ORBAX_STEP_METADATA))
+    return f"{rundir.ORBAX_STEP_METADATA} deleted"
+  if kind == "zero_state_file":
+    path = _biggest(state)
+    with open(path, "r+b") as f:
+      f.write(bytes(os.path.getsize(path)))
+    return f"{os.path.relpath(path, workdir)} overwritten with zeros"
+  if kind == "data_item_garbage":
+    (path,) = glob.glob(os.path.join(step_dir, rundir.DATA_ITEM, "*.json"))
+    with open(path, "w") as f:
+      f.write("{not json")
+    return "data iterator state replaced by invalid JSON"
   raise ValueError(f"unknown damage {kind!r}; valid: {DAMAGE_KINDS}")
+
+
+def foreign_checkpoint(args, trainer_args, workdir):
+  """Replaces the newest checkpoint of `workdir` by the same step of another run (another
+  seed, same shapes): it restores fine; only the run's identity tells it apart."""
+  step = rundir.checkpoint_steps(workdir)[-1]
+  other = os.path.join(args.workdir, "foreign")
+  if rundir.checkpoint_steps(other)[-1:] != [step]:
+    shutil.rmtree(other, ignore_errors=True)
+    run_to_end([*trainer_args, "--config.seed=1", f"--config.steps={step}"], other,
+               args.timeout)
+  shutil.rmtree(rundir.step_dir(workdir, step))
+  shutil.copytree(rundir.step_dir(other, step), rundir.step_dir(workdir, step))
+  return f"checkpoint {step} replaced by checkpoint {step} of a run with seed 1"
 
 
 # Comparing with the reference.
@@ -304,17 +370,25 @@ def _commit():
     return ""
 
 
-def kills_experiment(args, trainer_args, reference, steps, step_time):
-  workdir = os.path.join(args.workdir, "killed")
+def _eval_every(trainer_args):
+  flags = [a.split("=", 1)[1] for a in trainer_args if a.startswith("--config.eval.every_steps=")]
+  return int(flags[-1]) if flags else 50
+
+
+def kills_experiment(args, trainer_args, reference, steps, step_time, signum=signal.SIGKILL,
+                     count=None):
+  count = args.kills if count is None else count
+  name = "killed" if signum == signal.SIGKILL else signal.Signals(signum).name.lower()
+  workdir = os.path.join(args.workdir, name)
   shutil.rmtree(workdir, ignore_errors=True)
-  rng = random.Random(args.seed)
+  rng = random.Random(args.seed + signum)
   kills = []
   with open(workdir + ".log", "wb") as log:
-    for i in range(args.kills):
+    for i in range(count):
       kill = one_kill(trainer_args, workdir, rng, step_time, steps, args.during_save,
-                      args.kills - i, log)
+                      count - i, log, signum, args.during_eval, _eval_every(trainer_args))
       kills.append(kill)
-      print(f"kill {i + 1}/{args.kills}: {kill}", flush=True)
+      print(f"{name} {i + 1}/{count}: {kill}", flush=True)
       if kill.get("finished_before_kill"):
         break
   before = len(_train_records(workdir))
@@ -333,7 +407,28 @@ def kills_experiment(args, trainer_args, reference, steps, step_time):
              "steps_lost": sum(k["steps_lost"] for k in killed),
              "leaked_processes": sum(k["leaked_processes"] for k in killed),
              **compare(reference, workdir)}
-  return {"kills": kills, "summary": summary}
+  return {"kills": kills, "summary": summary, "faults": _kill_faults(signum, kills, summary)}
+
+
+def _kill_faults(signum, kills, summary):
+  """One fault per kill: the run as a whole must end as the reference; SIGTERM / SIGINT
+  must end the trainer by themselves, with 143 / 130."""
+  equal = summary["final_state_equal"] and summary["losses_equal"] and summary["evals_equal"]
+  family = f"{signal.Signals(signum).name} at random points, checkpoint writes, evals"
+  faults = []
+  for k in kills:
+    if "last_step_logged" not in k:
+      continue
+    where = ("checkpoint write" if k["during_checkpoint_write"] else
+             "evaluation" if k.get("aimed_at_eval") else "random point")
+    outcome = ("hang" if k["returncode"] == "hang" else "leak" if k["leaked_processes"]
+               else "silently wrong" if not equal else "ok")
+    if signum != signal.SIGKILL and outcome == "ok" and k["returncode"] != 128 + signum:
+      outcome = "unclear error"
+    faults.append(fault_families.fault(family, f"during a {where}", f"step {k['last_step_logged']}",
+                                       outcome, f"exit {k['returncode']}, resumed from "
+                                       f"{k['next_start_resumed_from']}, lost {k['steps_lost']}"))
+  return faults
 
 
 def damage_experiment(args, trainer_args, reference, kinds):
@@ -344,16 +439,38 @@ def damage_experiment(args, trainer_args, reference, kinds):
     shutil.rmtree(workdir, ignore_errors=True)
     shutil.copytree(reference, workdir)
     damaged_step = rundir.checkpoint_steps(workdir)[-1]
-    what = damage(workdir, kind, rng)
-    run_to_end(trainer_args, workdir, args.timeout)
-    lines = [l for l in _output(workdir).splitlines() if "does not restore" in l]
+    what = (foreign_checkpoint(args, trainer_args, workdir) if kind == "foreign_checkpoint"
+            else damage(workdir, kind, rng))
+    failed = None
+    try:
+      run_to_end(trainer_args, workdir, args.timeout)
+    except (RuntimeError, TimeoutError) as e:
+      failed = str(e)
+    output = _output(workdir)
+    lines = [l for l in output.splitlines() if "does not restore" in l or REPORTED.search(l)
+             or l.startswith("error: ")]
     result = {"kind": kind, "damage": what, "damaged_step": damaged_step,
-              "reported": lines, "moved_aside": sorted(os.listdir(rundir.damaged_dir(workdir)))
-              if os.path.isdir(rundir.damaged_dir(workdir)) else [],
-              **compare(reference, workdir)}
+              "reported": lines, "failed": failed,
+              "moved_aside": sorted(os.listdir(rundir.damaged_dir(workdir)))
+              if os.path.isdir(rundir.damaged_dir(workdir)) else []}
+    if failed is None:
+      result.update(compare(reference, workdir))
+    result["outcome"] = _damage_outcome(kind, result)
     results.append(result)
     print(f"damage {kind}: {result}", flush=True)
   return results
+
+
+def _damage_outcome(kind, r):
+  """ok: fell back and ended as the reference, or refused with a clear error line."""
+  if r["failed"]:
+    if "longer than" in r["failed"]:
+      return "hang"
+    return "ok" if any(l.startswith("error: ") for l in r["reported"]) else "unclear error"
+  equal = r["final_state_equal"] and r["losses_equal"] and r["evals_equal"]
+  if kind == "foreign_checkpoint" and not any(REPORTED.search(l) for l in r["reported"]):
+    return "corrupt state used" if not equal else "silently wrong"
+  return "ok" if equal else "corrupt state used"
 
 
 def _table(report):
@@ -368,6 +485,10 @@ def _table(report):
                 f"{s['final_state_equal']} | {s['losses_equal'] and s['evals_equal']} | "
                 f"{s['tensorboard_missing_steps'] == 0}, {s['tensorboard_torn_files']} |")
   for d in report.get("damage", []):
+    if d["failed"]:
+      rows.append(f"| {d['damage']} (checkpoint {d['damaged_step']}) | 1 | failed: "
+                  f"{d['outcome']} | - | - | - | - |")
+      continue
     moved = ", ".join(d["moved_aside"]) or "-"
     rows.append(f"| {d['damage']} (checkpoint {d['damaged_step']}) | 1 | moved aside: {moved} "
                 f"| - | {d['final_state_equal']} | {d['losses_equal'] and d['evals_equal']} | "
@@ -375,26 +496,21 @@ def _table(report):
   return "\n".join(rows)
 
 
-def main():
-  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
-  absl_logging.set_verbosity(absl_logging.ERROR)   # orbax's notes on every read
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--kills", type=int, default=10)
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--during_save", type=float, default=0.3,
-                      help="share of the kills aimed at a checkpoint write in flight")
-  parser.add_argument("--damage", default="all", help=f"all, none or some of {DAMAGE_KINDS}")
-  parser.add_argument("--workdir", default="/tmp/fault_injection")
-  parser.add_argument("--out", default="fault_injection.json")
-  parser.add_argument("--timeout", type=float, default=3600)
-  parser.add_argument("--reuse_reference", action="store_true",
-                      help="keep WORKDIR/reference from an earlier call with the same flags")
-  args, trainer_args = parser.parse_known_args()
-  if any(a.startswith("--workdir") for a in trainer_args):
-    parser.error("--workdir is the script's own (the run directories go under it)")
-  kinds = (list(DAMAGE_KINDS) if args.damage == "all" else []
-           if args.damage == "none" else args.damage.split(","))
-  os.makedirs(args.workdir, exist_ok=True)
+EXPERIMENTS = ("kills", "signals", "damage")   # need the reference run
+ALL_FAMILIES = EXPERIMENTS + tuple(fault_families.FAMILIES)
+
+
+def _selected(text):
+  names = {"all": ALL_FAMILIES, "cheap": fault_families.CHEAP}.get(text)
+  names = list(names) if names else [n for n in text.split(",") if n]
+  unknown = [n for n in names if n not in ALL_FAMILIES]
+  if unknown:
+    raise SystemExit(f"error: --families: unknown {unknown}; valid: all, cheap, "
+                     f"{', '.join(ALL_FAMILIES)}")
+  return names
+
+
+def _reference(args, trainer_args):
   reference = os.path.join(args.workdir, "reference")
   timing_file = os.path.join(args.workdir, "reference_timing.json")
   timing = json.load(open(timing_file)) if os.path.exists(timing_file) else None
@@ -404,31 +520,102 @@ def main():
     timing = {"trainer_args": trainer_args, "seconds": seconds, "startup": startup}
     with open(timing_file, "w") as f:
       json.dump(timing, f)
-  seconds, startup = timing["seconds"], timing["startup"]
-  steps = max(_metrics(reference)[0])
-  step_time = (seconds - startup) / steps   # wall time per step, checkpoints and evals in
-  print(f"reference: {steps} steps in {seconds:.0f} s ({startup:.0f} s to the first step, "
-        f"{step_time:.3f} s/step)", flush=True)
+  return reference, timing["seconds"], timing["startup"]
+
+
+def main():
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+  absl_logging.set_verbosity(absl_logging.ERROR)   # orbax's notes on every read
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--families", default="all",
+                      help=f"all, cheap ({','.join(fault_families.CHEAP)}: no training) or "
+                      f"some of {','.join(ALL_FAMILIES)}")
+  parser.add_argument("--quick", action="store_true",
+                      help="at most 3 SIGKILLs, 1 SIGTERM and 1 SIGINT, shorter timeouts")
+  parser.add_argument("--kills", type=int, default=10)
+  parser.add_argument("--signals", type=int, default=5, help="SIGTERMs, and as many SIGINTs")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--during_save", type=float, default=0.3,
+                      help="share of the kills aimed at a checkpoint write in flight")
+  parser.add_argument("--during_eval", type=float, default=0.2,
+                      help="share of the kills aimed at an evaluation")
+  parser.add_argument("--damage", default="all", help=f"all, none or some of {DAMAGE_KINDS}")
+  parser.add_argument("--jobs", type=int, default=2, help="must-fail starts run side by side")
+  parser.add_argument("--workdir", default="/tmp/fault_injection")
+  parser.add_argument("--out", default="fault_injection.json")
+  parser.add_argument("--timeout", type=float, default=3600)
+  parser.add_argument("--reuse_reference", action="store_true",
+                      help="keep WORKDIR/reference from an earlier call with the same flags")
+  args, trainer_args = parser.parse_known_args()
+  if any(a.startswith("--workdir") for a in trainer_args):
+    parser.error("--workdir is the script's own (the run directories go under it)")
+  families = _selected(args.families)
+  if args.quick:
+    args.kills, args.signals = min(args.kills, 3), min(args.signals, 1)
+  kinds = (list(DAMAGE_KINDS) if args.damage == "all" else []
+           if args.damage == "none" else args.damage.split(","))
+  os.makedirs(args.workdir, exist_ok=True)
+  t0 = time.monotonic()
   report = {"command": " ".join([sys.executable, *sys.argv]), "commit": _commit(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "device": f"{platform.machine()} CPU, {os.cpu_count()} cores, {platform.system()}",
-            "trainer_args": trainer_args, "steps": steps,
-            "reference_seconds": round(seconds, 1), "startup_seconds": round(startup, 1),
-            "wall_seconds_per_step": round(step_time, 4)}
-  if args.kills:
-    report["kills"] = kills_experiment(args, trainer_args, reference, steps, step_time)
-  report["damage"] = damage_experiment(args, trainer_args, reference, kinds)
-  checks = ([report["kills"]["summary"]] if args.kills else []) + report["damage"]
+            "trainer_args": trainer_args, "families": families}
+  faults = []
+  if any(f in EXPERIMENTS for f in families):
+    reference, seconds, startup = _reference(args, trainer_args)
+    steps = max(_metrics(reference)[0])
+    step_time = (seconds - startup) / steps   # wall time per step, checkpoints and evals in
+    print(f"reference: {steps} steps in {seconds:.0f} s ({startup:.0f} s to the first step, "
+          f"{step_time:.3f} s/step)", flush=True)
+    report.update({"steps": steps, "reference_seconds": round(seconds, 1),
+                   "startup_seconds": round(startup, 1),
+                   "wall_seconds_per_step": round(step_time, 4)})
+    if "kills" in families and args.kills:
+      report["kills"] = kills_experiment(args, trainer_args, reference, steps, step_time)
+      faults += report["kills"]["faults"]
+    if "signals" in families and args.signals:
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        report[signum.name] = kills_experiment(args, trainer_args, reference, steps,
+                                               step_time, signum, args.signals)
+        faults += report[signum.name]["faults"]
+    if "damage" in families:
+      report["damage"] = damage_experiment(args, trainer_args, reference, kinds)
+      faults += [fault_families.fault("checkpoint damage", d["kind"], d["damage"],
+                                      d["outcome"], "; ".join(d["reported"])[:300])
+                 for d in report["damage"]]
+  ctx = fault_families.Context(args, trainer_args)
+  for name in families:
+    if name in fault_families.FAMILIES:
+      try:
+        got = fault_families.FAMILIES[name](ctx)
+      except Exception as e:  # pylint: disable=broad-except  # the script's, not the program's
+        report.setdefault("family_errors", {})[name] = repr(e)[-2000:]
+        print(f"family {name} could not run: {e!r}", flush=True)
+        continue
+      for f in got:
+        print(f"{f['family']}: {f['fault']}: {f['outcome']} ({f['detail']})", flush=True)
+      faults += got
+  report["faults"] = faults
+  report["wall_seconds"] = round(time.monotonic() - t0, 1)
+  report["summary"] = {c: sum(f["outcome"] == c for f in faults)
+                       for c in fault_families.CLASSES}
+  report["summary_table"] = fault_families.summary_table(faults)
+  checks = [report[k]["summary"] for k in ("kills", "SIGTERM", "SIGINT") if k in report] + [
+      d for d in report.get("damage", []) if not d["failed"]]
   report["all_equal"] = all(c["final_state_equal"] and c["losses_equal"] and c["evals_equal"]
                             and c["tensorboard_missing_steps"] == 0
-                            and c["tensorboard_torn_files"] == 0 for c in checks) and (
-      not args.kills or report["kills"]["summary"]["leaked_processes"] == 0)
+                            and c["tensorboard_torn_files"] == 0 for c in checks)
+  report["all_ok"] = (report["all_equal"] and all(f["outcome"] == "ok" for f in faults)
+                      and not report.get("family_errors"))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(report, f, indent=2)
-  print(_table(report))
-  print(f"all equal to the uninterrupted run: {report['all_equal']} (report: {args.out})")
-  sys.exit(0 if report["all_equal"] else 1)
+  if "kills" in report or "damage" in report:
+    print(_table(report))
+  print(report["summary_table"])
+  print(f"{len(faults)} faults in {report['wall_seconds']:.0f} s; all ok: {report['all_ok']} "
+        f"(report: {args.out})")
+  sys.exit(0 if report["all_ok"] else 1)
 
 
 if __name__ == "__main__":

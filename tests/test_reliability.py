@@ -330,3 +330,24 @@ def test_unfinished_metrics_line_does_not_swallow_the_next_record(tmp_path):
   writer.close()
   assert [(r["step"], r["loss"]) for r in rundir.read_metrics(str(tmp_path))] == [(1, 1.0),
                                                                                  (2, 2.0)]
+
+
+@pytest.mark.slow   # two tiny runs, ~30 s on 2 cores
+def test_nan_right_after_resuming_says_the_checkpoint_itself_diverges(tmp_path, monkeypatch):
+  """Issue 36, item 6: a bad batch at step 5, checkpoints every 2: the first start stops at 5
+  (last good 4, the generic advice); the second, resumed from 4 with the same settings,
+  stops at 5 again: that advice ("lower the lr, resume") would loop, so the error says that
+  checkpoint 4 diverges on its next step and names the ways out."""
+  _bad_batch_at(monkeypatch, 5)
+  workdir = str(tmp_path)
+  cfg = tiny_config(**{"eval.every_steps": 0, "checkpoint.every_steps": 2, "steps": 6})
+  with pytest.raises(NonFiniteLossError) as first:
+    train(cfg, workdir)
+  assert "Last good checkpoint: step 4 in" in str(first.value)
+  assert "diverges on step" not in str(first.value)
+  with pytest.raises(NonFiniteLossError) as second:
+    train(cfg, workdir)
+  message = str(second.value)
+  assert "at step 5;" in message and "checkpoint 4 itself diverges on step 5" in message, message
+  assert 'skip_steps="(5,)"' in message and "--config.opt.lr" in message
+  assert "earlier checkpoint (2)" in message and "Last good checkpoint" not in message

@@ -32,7 +32,7 @@ import threading
 import numpy as np
 
 from infir2_jax.data import packing
-from infir2_jax.errors import DataError
+from infir2_jax.errors import DataError, read_json_file
 
 INDEX = "prepared.json"
 SETTINGS = "settings.json"
@@ -98,7 +98,8 @@ def open_prepared(path: str) -> Prepared:
     raise DataError(f"{root} is an unfinished preparation ({done} input files done, no "
                     f"{INDEX}): run the same `python -m infir2_jax.data.prepare` command "
                     "again to finish it (or `--finalize` once every worker is done)")
-  meta = json.loads(index.read_text())
+  meta = read_json_file(str(index), "prepare the data again (the same `python -m "
+                        "infir2_jax.data.prepare` command, into a new --out)")
   if meta.get("format") != FORMAT or meta.get("version") != VERSION:
     raise DataError(f"{index} is not a version-{VERSION} {FORMAT} index (got "
                     f"{meta.get('format')!r} v{meta.get('version')}); prepare it again")

@@ -67,7 +67,8 @@ def _load(path: str) -> tokenizers.Tokenizer:
   try:
     return tokenizers.Tokenizer.from_file(path)
   except Exception as e:
-    raise DataError(f"could not load tokenizer {path}: {e}") from e
+    raise DataError(f"could not load tokenizer {path}: {e}; the file is damaged or not an HF "
+                    "tokenizer.json: copy it again, or set data.tokenizer to another") from e
 
 
 def special_ids(tok: tokenizers.Tokenizer) -> SpecialIds:

@@ -6,10 +6,10 @@ their layout; `lm_head.weight` [V, D] is `lm_head/kernel` [D, V] and is absent w
 """
 
 import dataclasses
-import json
 import os
 from typing import Any
 
+from infir2_jax import errors
 from infir2_jax.model import ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -31,8 +31,8 @@ def read_config(path: str) -> dict[str, Any]:
   file = os.path.join(path, "config.json") if os.path.isdir(path) else path
   if not os.path.isfile(file):
     raise FileNotFoundError(f"no HF config.json at {file}")
-  with open(file) as f:
-    return json.load(f)
+  return errors.read_json_file(file, "download or export the checkpoint again (a copy cut "
+                              "short, or a disk that filled)")
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:

@@ -19,6 +19,7 @@ import ml_dtypes  # also registers bfloat16 with numpy for safetensors' reader
 import numpy as np
 from safetensors import safe_open
 
+from infir2_jax import errors
 from infir2_jax.errors import DataError, NotFound
 from infir2_jax.hf.convert import (
     FP8_DEFAULT_BLOCK, FP8_SCALE_SUFFIX, IGNORED_SUFFIXES, TensorSpec, check_compatible,
@@ -26,6 +27,17 @@ from infir2_jax.hf.convert import (
 from infir2_jax.model import ModelConfig, Qwen2, param_shapes
 
 _FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_REFETCH = "download or export the checkpoint again (a copy cut short, or a disk that filled)"
+
+
+def _safe_open(file: str):
+  """safetensors' safe_open; a truncated or corrupt file is a DamagedFile naming it."""
+  try:
+    return safe_open(file, "numpy")
+  except Exception as e:  # safetensors raises its own SafetensorError for every bad header
+    if type(e).__name__ != "SafetensorError":
+      raise
+    raise errors.damaged_file(file, f"{os.path.getsize(file)} bytes, {e}", _REFETCH) from None
 
 
 class _MappedSlice:
@@ -53,16 +65,17 @@ class SafetensorsReader:
     self.path = path
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-      with open(index) as f:
-        self.files = {name: os.path.join(path, file)
-                      for name, file in json.load(f)["weight_map"].items()}
+      weight_map = errors.read_json_file(index, _REFETCH).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise errors.damaged_file(index, "no weight_map", _REFETCH)
+      self.files = {name: os.path.join(path, file) for name, file in weight_map.items()}
     else:
       files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
       if not files:
         raise NotFound(f"no *.safetensors files in {path}")
       self.files = {}
       for file in files:
-        with safe_open(os.path.join(path, file), "numpy") as f:
+        with _safe_open(os.path.join(path, file)) as f:
           self.files.update({name: os.path.join(path, file) for name in f.keys()})
     self._open: dict[str, Any] = {}
     # Block-scaled FP8 weights: the block of their weight_scale_inv (None: no FP8 weights).
@@ -78,7 +91,7 @@ class SafetensorsReader:
     """safetensors' lazy slice of a tensor: .get_shape(), and [idx] reads only that part."""
     file = self.files[name]
     if file not in self._open:
-      self._open[file] = safe_open(file, "numpy")
+      self._open[file] = _safe_open(file)
     tensor = self._open[file].get_slice(name)
     if tensor.get_dtype() in _FP8_DTYPES:  # safetensors' numpy reader has no float8 types
       return _MappedSlice(file, name, _FP8_DTYPES[tensor.get_dtype()])

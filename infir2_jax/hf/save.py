@@ -141,35 +141,101 @@ def write_tokenizer(out_dir: str, tokenizer, *, chat: bool, system_prompt: str,
   return {"bos_token_id": ids.eos, "eos_token_id": eos, "pad_token_id": ids.pad}
 
 
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:   # someone else's process
+    return True
+  return True
+
+
+def clear_stale(out: str) -> list[str]:
+  """Removes what killed exports to `out` left beside it; returns what it did.
+
+  `OUT.tmp-PID` (a half-written export) of a process that is gone is deleted; of a live one
+  it is an export writing now: FileExistsError. `OUT.old-PID` is the previous export,
+  moved aside just before the new one was renamed in: put back when OUT is missing (the
+  kill fell between the two renames), else deleted.
+  """
+  parent, name = os.path.split(out)
+  done = []
+  for entry in sorted(os.listdir(parent or ".")):
+    kind, _, pid = entry[len(name):].partition("-")
+    if not entry.startswith(name) or kind not in (".tmp", ".old") or not pid.isdigit():
+      continue
+    path = os.path.join(parent, entry)
+    if int(pid) != os.getpid() and _pid_alive(int(pid)):
+      if kind == ".tmp":
+        raise FileExistsError(f"another export (pid {pid}) is writing {out} now ({path}): "
+                              "wait for it, or choose another --out (if no such export runs, "
+                              f"delete {path})")
+      continue
+    if kind == ".old" and not os.path.exists(out):
+      os.replace(path, out)
+      done.append(f"put back {out} from {path}, the export a killed export was replacing")
+    else:
+      shutil.rmtree(path, ignore_errors=True)
+      done.append(f"removed {path}, left by a killed export (pid {pid})")
+  return done
+
+
+@contextlib.contextmanager
+def _signals_raise():
+  """SIGTERM raises SystemExit(143) while active (SIGINT already raises KeyboardInterrupt),
+  so the `except BaseException` below removes the partial folder; main thread only."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def stop(signum, frame):
+    del frame
+    raise SystemExit(128 + signum)
+  previous = signal.signal(signal.SIGTERM, stop)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def atomic_dir(out_dir: str, overwrite: bool = False):
   """Yields a fresh folder beside out_dir to write into; renamed to out_dir on success.
 
-  A failure leaves out_dir as it was (and removes the partial folder). A non-empty out_dir
-  is an error unless `overwrite`, and then it is replaced as a whole, once the new folder
-  is complete.
+  A failure, SIGTERM or SIGINT leaves out_dir as it was (and removes the partial folder);
+  what a SIGKILLed export left is cleared by the next one (clear_stale). A non-empty
+  out_dir is an error unless `overwrite`, and then it is replaced as a whole, once the new
+  folder is complete.
   """
   out = os.path.abspath(out_dir)
   if os.path.exists(out) and not os.path.isdir(out):
     raise NotADirectoryError(f"{out_dir} exists and is not a folder")
+  if os.path.isdir(os.path.dirname(out)):
+    for note in clear_stale(out):
+      logging.warning("%s", note)
   if os.path.isdir(out) and os.listdir(out) and not overwrite:
     raise FileExistsError(f"{out_dir} is not empty: pass overwrite=True (--overwrite) to "
                           "replace it, or choose an empty or new folder")
   tmp = f"{out}.tmp-{os.getpid()}"
-  shutil.rmtree(tmp, ignore_errors=True)
-  os.makedirs(tmp)
-  try:
-    yield tmp
+  with _signals_raise():
+    os.makedirs(tmp)
     old = None
-    if os.path.isdir(out) and os.listdir(out):
-      old = f"{out}.old-{os.getpid()}"
-      os.replace(out, old)
-    os.replace(tmp, out)   # onto a missing or empty folder: one rename
-    if old is not None:
-      shutil.rmtree(old)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
+    try:
+      yield tmp
+      if os.path.isdir(out) and os.listdir(out):
+        old = f"{out}.old-{os.getpid()}"
+        os.replace(out, old)
+      os.replace(tmp, out)   # onto a missing or empty folder: one rename
+      if old is not None:
+        shutil.rmtree(old)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      if old is not None and not os.path.exists(out):   # stopped between the two renames
+        os.replace(old, out)
+      raise
 
 
 def export_params(param_groups, cfg: ModelConfig, out_dir: str, *, fp8: bool = False,

@@ -66,6 +66,10 @@ class ModelConfig:
     for name in ("rope_theta", "rms_norm_eps", "init_std"):  # NaN and inf fail too
       if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
         raise ConfigError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
+    if self.rms_norm_eps < 2.0**-126:  # float32's smallest normal; XLA flushes smaller ones
+      raise ConfigError(f"model.rms_norm_eps={self.rms_norm_eps!r} is below float32's smallest "
+                        "normal 1.17549e-38: it flushes to 0 and an all-zero row gives "
+                        "rsqrt(0) = inf; use e.g. 1e-6")
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(f"model.num_heads={self.num_heads} must be a multiple of "
                         f"model.num_kv_heads={self.num_kv_heads}")

@@ -27,6 +27,7 @@ import os
 import shutil
 from typing import Any
 
+from infir2_jax import errors
 from infir2_jax.errors import ConfigError, NotFound
 
 CONFIG_FILE = "config.json"
@@ -51,11 +52,12 @@ ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
 ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
 
 
-def read_json(path: str) -> dict[str, Any] | None:
+def read_json(path: str,
+              fix: str = "restore it from a copy, or delete it") -> dict[str, Any] | None:
+  """The JSON in `path`, None when there is none; a damaged file is an error naming it."""
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  return errors.read_json_file(path, fix)
 
 
 def write_json(path: str, obj) -> None:
@@ -65,9 +67,22 @@ def write_json(path: str, obj) -> None:
   os.replace(tmp, path)  # atomic: a killed process never leaves half a file
 
 
+def check_workdir(workdir: str) -> None:
+  """A run directory that is a file (or lies under one) is a ConfigError, not os.makedirs'
+  FileExistsError / NotADirectoryError at some later point."""
+  path = os.path.abspath(workdir)
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  if not os.path.isdir(path):
+    raise ConfigError(f"--workdir={workdir}: {path} is a file, not a folder; give a run "
+                      "directory that is a folder or does not exist yet")
+
+
 def config_dict(workdir: str) -> dict[str, Any] | None:
   """WORKDIR/config.json as a plain dict, or None when there is none."""
-  return read_json(os.path.join(workdir, CONFIG_FILE))
+  return read_json(os.path.join(workdir, CONFIG_FILE), fix=(
+      "restore it from a copy, or delete it and start the trainer once more with the run's "
+      "own --config flags, which writes it again (the checkpoints are kept)"))
 
 
 def write_config(workdir: str, cfg) -> None:

@@ -21,7 +21,8 @@ from infir2_jax.errors import ConfigError, UserError
 from infir2_jax.model import Qwen2, init_params, projections
 from infir2_jax.model.attention import check_documents, uses_packed_documents
 from infir2_jax.precision import make_dot_general_factory, telemetry
-from infir2_jax.train import (continuation, identity, loggers, preemption, preflight, resume,
+from infir2_jax.train import (continuation, identity, loggers, nan_advice, preemption, preflight,
+                              resume,
                               rundir, runlock, startup)
 from infir2_jax.train.checkpoint import Checkpointer, all_finite, restore_params
 from infir2_jax.train.metrics import MetricsWriter, peak_flops_per_device, perplexity
@@ -150,6 +151,7 @@ def train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   One trainer per workdir (train/runlock.py). SIGTERM and SIGINT save a checkpoint at the
   next step and raise preemption.Preempted (a SystemExit).
   """
+  rundir.check_workdir(workdir)
   created = rundir.missing_root(workdir)
   fresh = created is not None or not os.listdir(workdir)
   try:
@@ -404,18 +406,13 @@ class _Loop:
     if math.isfinite(loss) and math.isfinite(grad_norm) and state_finite:
       return
     self.checkpointer.wait()
-    where = (f"step {self.last_good} in {self.checkpointer.directory}"
-             if self.last_good is not None else "none (no checkpoint was saved)")
     what = (f"non-finite loss {loss} (grad norm {grad_norm}) at step {step}"
             if not (math.isfinite(loss) and math.isfinite(grad_norm)) else
             f"the train state turned non-finite in the update of step {step} (its loss {loss} "
             f"and grad norm {grad_norm} were finite)")
-    start = "it resumes from that checkpoint" if self.last_good else "it starts over"
-    raise NonFiniteLossError(
-        f"{what}; the state of that step was not saved. Last good checkpoint: {where}. To go "
-        f"on, re-run with a lower --config.opt.lr ({start}; the change is recorded in "
-        f"{rundir.CONFIG_CHANGES_FILE}), or skip this batch with "
-        f"--config.skip_steps=\"({step},)\"")
+    how = nan_advice.advice(step, self.start_step, self.last_good, self.checkpointer.directory,
+                            self.cfg.opt.lr, rundir.checkpoint_steps(self.writer.workdir))
+    raise NonFiniteLossError(f"{what}; the state of that step was not saved. {how}")
 
   def log(self, step, device_metrics) -> dict[str, float]:
     extra = {f"data/tokens/{name}": n for name, n in self.source_tokens(step).items()}
