@@ -31,10 +31,30 @@ import optax
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
+from infir2_jax.precision import formats
 from infir2_jax.train import moments
 
 KERNELS = ("jnp", "pallas", "reference")   # valid values of opt.moments_kernel
 BLOCK_ROWS = 32                            # Pallas: most rows (groups) per program
+
+
+def new_moments(g_NxG, m_parts, v_parts, *, b1, b2):
+  """Adam's new float32 moments from the stored ones (optax's update_moment functions)."""
+  m = optax.tree.update_moment(g_NxG, moments.decode_groups(*m_parts), b1, 1)
+  v = optax.tree.update_moment_per_elem_norm(g_NxG, moments.decode_groups(*v_parts), b2, 2)
+  return m, v
+
+
+def direction_of(m, v, bias_corrections, *, eps, eps_root):
+  """Adam's direction; optax.tree.bias_correction's divisions, their scalars given."""
+  bc1, bc2 = bias_corrections
+  return (m / bc1) / (jnp.sqrt(v / bc2 + eps_root) + eps)
+
+
+def _masked(x, valid_NxG):
+  """The reference re-pads the new moments with zeros (an inf moment decodes its padding to
+  NaN otherwise)."""
+  return x if valid_NxG is None else jnp.where(valid_NxG, x, 0.0)
 
 
 def adam_rows(g_NxG, m_parts, v_parts, bias_corrections, valid_NxG, *, b1, b2, eps,
@@ -43,16 +63,36 @@ def adam_rows(g_NxG, m_parts, v_parts, bias_corrections, valid_NxG, *, b1, b2, e
 
   m_parts / v_parts: (q [N, GROUP] e4m3, a [N, 1], k [N, 1]); bias_corrections: optax's
   1 - b**count for b1 and b2 (float32 scalars); valid_NxG: None, or where the lanes hold
-  elements (not the padding of a short last axis).
+  elements (not the padding of a short last axis). Any leading axes work as N.
   """
-  bc1, bc2 = bias_corrections
-  m = optax.tree.update_moment(g_NxG, moments.decode_groups(*m_parts), b1, 1)
-  v = optax.tree.update_moment_per_elem_norm(g_NxG, moments.decode_groups(*v_parts), b2, 2)
-  # optax.tree.bias_correction's division, with its scalar computed once outside.
-  direction = (m / bc1) / (jnp.sqrt(v / bc2 + eps_root) + eps)
-  if valid_NxG is not None:   # the reference re-pads the new moments with zeros
-    m, v = jnp.where(valid_NxG, m, 0.0), jnp.where(valid_NxG, v, 0.0)
-  return direction, moments.encode_groups(m), moments.encode_groups(v)
+  m, v = new_moments(g_NxG, m_parts, v_parts, b1=b1, b2=b2)
+  direction = direction_of(m, v, bias_corrections, eps=eps, eps_root=eps_root)
+  return (direction, moments.encode_groups(_masked(m, valid_NxG)),
+          moments.encode_groups(_masked(v, valid_NxG)))
+
+
+def adam_rows_recomputed(g_NxG, m_parts, v_parts, bias_corrections, valid_NxG, *, b1, b2,
+                         eps, eps_root):
+  """adam_rows in the two passes XLA can fuse, without the float32 moments in memory
+  (g_NxG in its own dtype, bf16 from the train step).
+
+  XLA:GPU cannot broadcast a reduction's result back into the loop that made it, so the
+  group ranges take a pass of their own. Left alone it writes the new float32 moments out
+  of that pass (8 bytes a param) and reads them back to encode. Here the second pass
+  recomputes them from the stored inputs instead (reading 1 byte a moment again), kept
+  from being merged with the first by an optimization barrier on the inputs: the same ops
+  on the same values, so the same bits.
+  """
+  f32 = lambda g: g.astype(jnp.float32)   # in both passes: no float32 copy of g either
+  m, v = new_moments(f32(g_NxG), m_parts, v_parts, b1=b1, b2=b2)
+  m_range = moments.flushed_range(_masked(m, valid_NxG))
+  v_range = moments.flushed_range(_masked(v, valid_NxG))
+  g_NxG, m_parts, v_parts = jax.lax.optimization_barrier((g_NxG, m_parts, v_parts))
+  m, v = new_moments(f32(g_NxG), m_parts, v_parts, b1=b1, b2=b2)
+  direction = direction_of(m, v, bias_corrections, eps=eps, eps_root=eps_root)
+  encode = lambda x, rng: moments.encode_in_range(
+      formats.flush_subnormals(_masked(x, valid_NxG)), *rng)
+  return direction, encode(m, m_range), encode(v, v_range)
 
 
 def bias_corrections(b1: float, b2: float, count_inc: jax.Array) -> jax.Array:
@@ -88,14 +128,14 @@ def valid_lanes(shape: tuple[int, ...], rows: jax.Array, lanes: jax.Array):
 def update_jnp(g, m_parts, v_parts, bcs, shape, **hyper):
   """adam_rows on a whole tensor grouped once as [..., G, GROUP] (its leading axes kept, so
   XLA shards it as it shards the param), for XLA to fuse."""
-  g_grouped = moments._grouped(g)  # pylint: disable=protected-access
+  g_grouped = moments._grouped(g)  # pylint: disable=protected-access  (float32 in the passes)
   stats = lambda x: x.reshape(*g_grouped.shape[:-1], 1)
   grouped = lambda parts: (moments._grouped(parts[0]), stats(parts[1]), stats(parts[2]))  # pylint: disable=protected-access
   groups = g_grouped.shape[-2]
   valid = valid_lanes(shape, jax.lax.broadcasted_iota(jnp.int32, (groups, 1), 0),
                       jax.lax.broadcasted_iota(jnp.int32, (1, moments.GROUP), 1))
-  return adam_rows(g_grouped, grouped(m_parts), grouped(v_parts), (bcs[0], bcs[1]), valid,
-                   **hyper)
+  return adam_rows_recomputed(g_grouped, grouped(m_parts), grouped(v_parts),
+                              (bcs[0], bcs[1]), valid, **hyper)
 
 
 def block_rows(n: int, most: int = BLOCK_ROWS) -> int:
@@ -108,7 +148,6 @@ def update_pallas(g_NxG, m_parts, v_parts, bcs, shape, *, most_rows=BLOCK_ROWS,
   """adam_rows as a Pallas kernel: one program per block of R rows (groups)."""
   n = g_NxG.shape[0]
   r = block_rows(n, most_rows)
-  interpret = jax.default_backend() != "gpu" if interpret is None else interpret
   lanes_spec = pl.BlockSpec((r, moments.GROUP), lambda i: (i, 0))
   group_spec = pl.BlockSpec((r, 1), lambda i: (i, 0))
   scalar_spec = pl.BlockSpec((2,), lambda i: (0,))
@@ -119,14 +158,14 @@ def update_pallas(g_NxG, m_parts, v_parts, bcs, shape, *, most_rows=BLOCK_ROWS,
     rows = pl.program_id(0) * r + jax.lax.broadcasted_iota(jnp.int32, (r, 1), 0)
     valid = valid_lanes(shape, rows, jax.lax.broadcasted_iota(jnp.int32, (1, moments.GROUP), 1))
     direction, new_m, new_v = adam_rows(
-        g_ref[...], (qm_ref[...], am_ref[...], km_ref[...]),
+        g_ref[...].astype(jnp.float32), (qm_ref[...], am_ref[...], km_ref[...]),
         (qv_ref[...], av_ref[...], kv_ref[...]), (bc_ref[0], bc_ref[1]), valid, **hyper)
     d_out[...] = direction
     for ref, x in zip((qm_out, am_out, km_out, qv_out, av_out, kv_out), (*new_m, *new_v)):
       ref[...] = x
 
   parts_shapes = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in m_parts)
-  out = pl.pallas_call(
+  call = lambda interpret: pl.pallas_call(
       kernel, grid=(n // r,),
       in_specs=[lanes_spec, *parts_specs, *parts_specs, scalar_spec],
       out_specs=[lanes_spec, *parts_specs, *parts_specs],
@@ -134,7 +173,12 @@ def update_pallas(g_NxG, m_parts, v_parts, bcs, shape, *, most_rows=BLOCK_ROWS,
                  *parts_shapes],
       # The moments are rewritten in place (the train step donates the state).
       input_output_aliases={1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6},
-      interpret=interpret, name="fp8_adam")(g_NxG, *m_parts, *v_parts, bcs)
+      interpret=interpret, name="fp8_adam")
+  args = (g_NxG, *m_parts, *v_parts, bcs)
+  if interpret is None:   # Triton where it is lowered for CUDA (also ahead of time, on a CPU)
+    out = jax.lax.platform_dependent(*args, cuda=call(False), default=call(True))
+  else:
+    out = call(interpret)(*args)
   return out[0], tuple(out[1:4]), tuple(out[4:7])
 
 

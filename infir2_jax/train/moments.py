@@ -104,7 +104,17 @@ def encode_groups(xg: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   (q float8_e4m3fn [..., G, GROUP], a [..., G, 1], k [..., G, 1]). train/fp8_adam.py
   runs the same ops on its blocks of groups."""
   xg = formats.flush_subnormals(xg)
-  amax, amin = _group_range(xg)
+  return encode_in_range(xg, *_group_range(xg))
+
+
+def flushed_range(xg: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The (max |x|, min nonzero |x|) per group [..., G, 1] that encode_groups(xg) uses."""
+  return _group_range(formats.flush_subnormals(xg))
+
+
+def encode_in_range(xg: jax.Array, amax: jax.Array, amin: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """encode_groups with its group range given (flushed xg and its flushed_range)."""
   # log2 of the range as a difference: amax / amin would overflow for extreme groups.
   spread = jnp.log2(amax) - jnp.log2(amin)
   k = jnp.minimum(jnp.where(spread > 0, _LOG2_RANGE / jnp.where(spread > 0, spread, 1.0),
@@ -247,7 +257,7 @@ def _scale_by_adam_fp8_one_pass(b1, b2, eps, eps_root, kernel, init_fn, fp8_adam
     leaves, treedef = jax.tree.flatten(updates)
     mu = [jax.tree.leaves(part) for part in state.mu]
     nu = [jax.tree.leaves(part) for part in state.nu]
-    out = [fp8_adam.update_leaf(kernel, g.astype(jnp.float32), tuple(p[i] for p in mu),
+    out = [fp8_adam.update_leaf(kernel, g, tuple(p[i] for p in mu),
                                 tuple(p[i] for p in nu), bcs, b1=b1, b2=b2, eps=eps,
                                 eps_root=eps_root)
            for i, g in enumerate(leaves)]
