@@ -106,7 +106,7 @@ def _fingerprint(tree):
   return jax.tree.map(one, tree)
 
 
-def run_shape_set(name, shapes, args, device_or_none):
+def run_shape_set(name, shapes, args, device_or_none, save=lambda partial: None):
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -125,8 +125,11 @@ def run_shape_set(name, shapes, args, device_or_none):
       rep = jax.sharding.SingleDeviceSharding(device_or_none)
       on = lambda tree: jax.tree.map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree)
-      compiled = step.trace(on(abstract_params), on(abstract_grads),
-                            on(abstract_state)).lower(lowering_platforms=("cuda",)).compile()
+      # The abstract mesh names the GPU for Pallas' Triton lowering (no GPU here).
+      with jax.sharding.use_abstract_mesh(
+          jax.sharding.Mesh([device_or_none], ("x",)).abstract_mesh):
+        compiled = step.trace(on(abstract_params), on(abstract_grads), on(abstract_state)
+                              ).lower(lowering_platforms=("cuda",)).compile()
     else:
       compiled = step.lower(abstract_params, abstract_grads, abstract_state).compile()
     entry = {"compile_s": round(time.perf_counter() - t0, 1),
@@ -142,6 +145,7 @@ def run_shape_set(name, shapes, args, device_or_none):
       entry["gb_per_s"] = round(entry["bytes_moved"] / entry["ms"] / 1e6, 1)
     out["variants"][variant] = entry
     print(f"[{name}] {variant}: {entry}", flush=True)
+    save(out)   # what is measured survives a run cut short
   fp8 = [v for v in fingerprints if v.startswith("fp8_")]
   if len(fp8) > 1:
     ref = fingerprints[fp8[0]]
@@ -206,14 +210,18 @@ def main(argv):
   shape_sets = ({"tiny": TINY_SHAPES} if args.tiny else
                 {spec: param_shapes(spec) for spec in args.configs.split(",")})
   results = {**run_info(argv), "aot_gpu": args.aot_gpu, "grad_dtype": args.grad_dtype,
-             "steps": args.steps, "iters": args.iters,
-             "results": [run_shape_set(name, shapes, args, device)
-                         for name, shapes in shape_sets.items()]}
+             "steps": args.steps, "iters": args.iters, "results": []}
   if args.aot_gpu:
     results["device"] = "H200 (deviceless AOT from $INFIR2_GPU_TARGET_CONFIG): nothing ran"
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(results, f, indent=1)
+
+  def save(partial=None):
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump({**results, "results": results["results"] + ([partial] if partial else [])},
+                  f, indent=1)
+  for name, shapes in shape_sets.items():
+    results["results"].append(run_shape_set(name, shapes, args, device, save))
+    save()
   del jax
   return results
 
