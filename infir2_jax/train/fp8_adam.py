@@ -3,21 +3,27 @@
 The reference path (moments.scale_by_adam_stored, kernel="reference") decodes each moment to
 the param's shape, runs optax's Adam there and encodes the new moments again: on the GPU XLA
 runs the decode, the group statistics, the range expansion and the re-quantization as
-separate passes. Here each tensor is viewed once as rows of groups, [N, 128] (N = its
-groups; a, k as [N, 1]), and the whole step is one function of a block of rows
-(`adam_rows`): decode q, a, k of both moments -> float32; Adam's moments and direction;
-each group's max and min-nonzero; k; re-encode. It runs either as jnp on the whole
-[N, 128] view (`kernel="jnp"`: one reshape, one reduction per group statistic, for XLA to
-fuse) or as a Pallas kernel, one program per block of rows (`kernel="pallas"`: Triton on
-the GPU, interpret=True elsewhere).
+separate passes, with float32 moments in memory between them. Here each tensor is grouped
+once ([..., G, 128]; a, k as [..., G, 1]) and the step is one function of a block of groups:
+decode q, a, k of both moments -> float32; Adam's moments and direction; each group's max
+and min-nonzero; k; re-encode. Two forms (opt.moments_kernel):
+
+  jnp     `adam_rows_recomputed` on the whole tensor, for XLA to fuse. XLA:GPU cannot feed a
+          reduction back into the loop that made it, so it is two fusions per tensor: the
+          group ranges (reading g and q), then the encode with the direction, weight decay,
+          learning rate and param update fused in (g, q and the param again): ~18 bytes a
+          param with bf16 gradients, against optax's float32 AdamW's 26.
+  pallas  `adam_rows` as a Pallas kernel over [N, 128] rows, one program per block of R
+          rows (Triton on the GPU, interpret=True elsewhere): one pass for the moments and
+          the direction; the param update is an XLA fusion after it, as optax applies
+          updates outside the transform (step.py), ~22 bytes a param.
 
 Both are the reference's float32 ops in the reference's order, element by element, so on
-the CPU they are bit-identical to it (tests/test_optim_moments.py). The padding of a last
-axis that is not a multiple of 128 (1-D biases and norms) is masked back to zero before
-the encode, as the reference's slice-and-re-pad does. Weight decay, the learning rate and
-the param update stay with optax after this transform (step.py applies the updates): with
-kernel="jnp" XLA fuses them into the same loop; with "pallas" they are one elementwise
-fusion after the kernel.
+the CPU they are bit-identical to it (tests/test_fp8_adam.py). A last axis that is not a
+multiple of 128 (1-D biases and norms) is zero-padded to whole groups as the reference pads
+it; the reference slices the padding off and pads again with zeros before it encodes, which
+needs no mask here: a padded lane has q = 0 and g = 0, so it decodes to exactly 0 and stays
+0 wherever its group's scale a is finite (where a is inf the group is NaN already).
 
 Legend: N groups of a tensor (rows), R rows per Pallas block, GROUP = 128 lanes.
 """
@@ -51,28 +57,19 @@ def direction_of(m, v, bias_corrections, *, eps, eps_root):
   return (m / bc1) / (jnp.sqrt(v / bc2 + eps_root) + eps)
 
 
-def _masked(x, valid_NxG):
-  """The reference re-pads the new moments with zeros (an inf moment decodes its padding to
-  NaN otherwise)."""
-  return x if valid_NxG is None else jnp.where(valid_NxG, x, 0.0)
-
-
-def adam_rows(g_NxG, m_parts, v_parts, bias_corrections, valid_NxG, *, b1, b2, eps,
-              eps_root):
+def adam_rows(g_NxG, m_parts, v_parts, bias_corrections, *, b1, b2, eps, eps_root):
   """One Adam step on rows of groups: (direction [N, GROUP], new m parts, new v parts).
 
   m_parts / v_parts: (q [N, GROUP] e4m3, a [N, 1], k [N, 1]); bias_corrections: optax's
-  1 - b**count for b1 and b2 (float32 scalars); valid_NxG: None, or where the lanes hold
-  elements (not the padding of a short last axis). Any leading axes work as N.
+  1 - b**count for b1 and b2 (float32 scalars). Any leading axes work as N.
   """
   m, v = new_moments(g_NxG, m_parts, v_parts, b1=b1, b2=b2)
   direction = direction_of(m, v, bias_corrections, eps=eps, eps_root=eps_root)
-  return (direction, moments.encode_groups(_masked(m, valid_NxG)),
-          moments.encode_groups(_masked(v, valid_NxG)))
+  return direction, moments.encode_groups(m), moments.encode_groups(v)
 
 
-def adam_rows_recomputed(g_NxG, m_parts, v_parts, bias_corrections, valid_NxG, *, b1, b2,
-                         eps, eps_root):
+def adam_rows_recomputed(g_NxG, m_parts, v_parts, bias_corrections, *, b1, b2, eps,
+                         eps_root):
   """adam_rows in the two passes XLA can fuse, without the float32 moments in memory
   (g_NxG in its own dtype, bf16 from the train step).
 
@@ -85,13 +82,11 @@ def adam_rows_recomputed(g_NxG, m_parts, v_parts, bias_corrections, valid_NxG, *
   """
   f32 = lambda g: g.astype(jnp.float32)   # in both passes: no float32 copy of g either
   m, v = new_moments(f32(g_NxG), m_parts, v_parts, b1=b1, b2=b2)
-  m_range = moments.flushed_range(_masked(m, valid_NxG))
-  v_range = moments.flushed_range(_masked(v, valid_NxG))
+  m_range, v_range = moments.flushed_range(m), moments.flushed_range(v)
   g_NxG, m_parts, v_parts = jax.lax.optimization_barrier((g_NxG, m_parts, v_parts))
   m, v = new_moments(f32(g_NxG), m_parts, v_parts, b1=b1, b2=b2)
   direction = direction_of(m, v, bias_corrections, eps=eps, eps_root=eps_root)
-  encode = lambda x, rng: moments.encode_in_range(
-      formats.flush_subnormals(_masked(x, valid_NxG)), *rng)
+  encode = lambda x, rng: moments.encode_in_range(formats.flush_subnormals(x), *rng)
   return direction, encode(m, m_range), encode(v, v_range)
 
 
@@ -109,33 +104,23 @@ def to_rows(x: jax.Array) -> jax.Array:
 
 
 def from_rows(x_NxG: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """The inverse of to_rows (also of the [..., G, GROUP] grouping): padding sliced off."""
   groups = moments.group_shape(shape) or (1,)
-  return moments._ungrouped(x_NxG.reshape(*groups, moments.GROUP), shape)  # pylint: disable=protected-access
-
-
-def valid_lanes(shape: tuple[int, ...], rows: jax.Array, lanes: jax.Array):
-  """Where rows x lanes (row and lane indices, broadcastable) hold elements of a tensor of
-  `shape`; None when its last axis is a multiple of GROUP (no padding)."""
-  cols = shape[-1] if shape else 1
-  groups = -(-cols // moments.GROUP)
-  if groups * moments.GROUP == cols:
-    return None
-  return (rows % groups) * moments.GROUP + lanes < cols
+  ungroup = moments._ungrouped  # pylint: disable=protected-access
+  return ungroup(x_NxG.reshape(*groups, moments.GROUP), shape)
 
 
 # --- the two forms ---------------------------------------------------------------------------
 
-def update_jnp(g, m_parts, v_parts, bcs, shape, **hyper):
+def update_jnp(g, m_parts, v_parts, bcs, **hyper):
   """adam_rows on a whole tensor grouped once as [..., G, GROUP] (its leading axes kept, so
   XLA shards it as it shards the param), for XLA to fuse."""
   g_grouped = moments._grouped(g)  # pylint: disable=protected-access  (float32 in the passes)
   stats = lambda x: x.reshape(*g_grouped.shape[:-1], 1)
-  grouped = lambda parts: (moments._grouped(parts[0]), stats(parts[1]), stats(parts[2]))  # pylint: disable=protected-access
-  groups = g_grouped.shape[-2]
-  valid = valid_lanes(shape, jax.lax.broadcasted_iota(jnp.int32, (groups, 1), 0),
-                      jax.lax.broadcasted_iota(jnp.int32, (1, moments.GROUP), 1))
+  grouped = lambda parts: (moments._grouped(parts[0]),  # pylint: disable=protected-access
+                           stats(parts[1]), stats(parts[2]))
   return adam_rows_recomputed(g_grouped, grouped(m_parts), grouped(v_parts),
-                              (bcs[0], bcs[1]), valid, **hyper)
+                              (bcs[0], bcs[1]), **hyper)
 
 
 def block_rows(n: int, most: int = BLOCK_ROWS) -> int:
@@ -143,7 +128,7 @@ def block_rows(n: int, most: int = BLOCK_ROWS) -> int:
   return math.gcd(n, 1 << (most.bit_length() - 1))
 
 
-def update_pallas(g_NxG, m_parts, v_parts, bcs, shape, *, most_rows=BLOCK_ROWS,
+def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=BLOCK_ROWS,
                   interpret=None, **hyper):
   """adam_rows as a Pallas kernel: one program per block of R rows (groups)."""
   n = g_NxG.shape[0]
@@ -155,11 +140,9 @@ def update_pallas(g_NxG, m_parts, v_parts, bcs, shape, *, most_rows=BLOCK_ROWS,
 
   def kernel(g_ref, qm_ref, am_ref, km_ref, qv_ref, av_ref, kv_ref, bc_ref,
              d_out, qm_out, am_out, km_out, qv_out, av_out, kv_out):
-    rows = pl.program_id(0) * r + jax.lax.broadcasted_iota(jnp.int32, (r, 1), 0)
-    valid = valid_lanes(shape, rows, jax.lax.broadcasted_iota(jnp.int32, (1, moments.GROUP), 1))
     direction, new_m, new_v = adam_rows(
         g_ref[...].astype(jnp.float32), (qm_ref[...], am_ref[...], km_ref[...]),
-        (qv_ref[...], av_ref[...], kv_ref[...]), (bc_ref[0], bc_ref[1]), valid, **hyper)
+        (qv_ref[...], av_ref[...], kv_ref[...]), (bc_ref[0], bc_ref[1]), **hyper)
     d_out[...] = direction
     for ref, x in zip((qm_out, am_out, km_out, qv_out, av_out, kv_out), (*new_m, *new_v)):
       ref[...] = x
@@ -192,8 +175,8 @@ def _per_shard(fn, n: int):
     return fn
   rows = P(mesh.axis_names)
   specs = ((rows, (rows,) * 3, (rows,) * 3, P()))
-  return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(rows, (rows,) * 3, (rows,) * 3),
-                       check_vma=False)
+  return jax.shard_map(fn, mesh=mesh, in_specs=specs,
+                       out_specs=(rows, (rows,) * 3, (rows,) * 3), check_vma=False)
 
 
 def update_leaf(kernel: str, g, m_parts, v_parts, bcs, **hyper):
@@ -203,10 +186,10 @@ def update_leaf(kernel: str, g, m_parts, v_parts, bcs, **hyper):
     stats = lambda x: x.reshape(-1, 1)
     rows = lambda parts: (to_rows(parts[0]), stats(parts[1]), stats(parts[2]))
     g_rows = to_rows(g)
-    fn = _per_shard(functools.partial(update_pallas, shape=shape, **hyper), g_rows.shape[0])
+    fn = _per_shard(functools.partial(update_pallas, **hyper), g_rows.shape[0])
     direction, new_m, new_v = fn(g_rows, rows(m_parts), rows(v_parts), bcs)
   else:
-    direction, new_m, new_v = update_jnp(g, m_parts, v_parts, bcs, shape, **hyper)
+    direction, new_m, new_v = update_jnp(g, m_parts, v_parts, bcs, **hyper)
   group = moments.group_shape(shape)
   back = lambda parts: (from_rows(parts[0], shape), parts[1].reshape(group),
                         parts[2].reshape(group))

@@ -221,7 +221,8 @@ def scale_by_adam_stored(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   """
   codec = get_codec(moments)
   if kernel != "reference" and moments == "fp8":
-    from infir2_jax.train import fp8_adam  # pylint: disable=import-outside-toplevel  (it imports this module)
+    # Imported here: train/fp8_adam.py imports this module.
+    from infir2_jax.train import fp8_adam  # pylint: disable=import-outside-toplevel
     return _scale_by_adam_fp8_one_pass(b1, b2, eps, eps_root, kernel, init_of(codec),
                                        fp8_adam)
 
