@@ -150,9 +150,6 @@ def test_sharded_one_pass_update_matches_the_unsharded_reference_over_fsdp_8():
       opt_state = state["opt_state"]
       for g in grads:
         updates, opt_state = step(state["params"], g, opt_state)
-      if kernel == "pallas":
-        hlo = step.lower(state["params"], grads[0], state["opt_state"]).as_text()
-        assert "all-gather" not in hlo   # every device updates its own rows
     for leaf, sharding in zip(jax.tree.leaves(opt_state), jax.tree.leaves(shardings["opt_state"])):
       assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
     results[kernel] = jax.device_get((updates, opt_state))
@@ -175,8 +172,8 @@ def test_sharded_one_pass_update_matches_the_unsharded_reference_over_fsdp_8():
 
 def test_pallas_update_runs_per_shard_with_the_reference_numbers_on_8_devices():
   """A cheap sharded check: params split 8 ways on their first or their last axis (32 lanes a
-  device: finer than a group); the Pallas step runs on each device's rows (no all-gather)
-  and equals the unsharded reference bit for bit."""
+  device: finer than a group); the Pallas step runs on each device's rows (shard_map) and
+  equals the unsharded reference bit for bit."""
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
   specs = {"rows": P("fsdp", None), "cols": P(None, "fsdp"), "bias": P()}
   rng = np.random.default_rng(2)
@@ -194,7 +191,10 @@ def test_pallas_update_runs_per_shard_with_the_reference_numbers_on_8_devices():
     state = jax.jit(tx.init, out_shardings=state_shardings)(params)
     update = jax.jit(tx.update, in_shardings=(shard, state_shardings, shard),
                      out_shardings=(shard, state_shardings))
-    assert "all-gather" not in update.lower(grads[0], state, params).as_text()
+    # Each kernel call is wrapped to run per device. (Interpreted on the CPU, the kernel is
+    # ordinary HLO that XLA would partition anyway; Triton's custom call it would gather.)
+    jaxpr = str(jax.make_jaxpr(tx.update)(grads[0], state, params))
+    assert jaxpr.count("shard_map") >= 2 and "pallas_call" in jaxpr, jaxpr[:2000]
     for g in grads:
       direction, state = update(g, state, params)
   assert_same_bits(jax.device_get((direction, state)), want)
