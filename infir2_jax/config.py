@@ -97,6 +97,10 @@ class OptConfig:
   # with per-128-group scales and range expansion, ~2.1 bytes/param); train/moments.py.
   # The update is computed in float32 either way; master weights stay in model.param_dtype.
   moments: str = "fp32"
+  # How opt.moments=fp8 runs its step (train/fp8_adam.py), bit-identical on the CPU:
+  # "jnp" (one pass per tensor, for XLA to fuse) | "pallas" (a Pallas kernel; Triton on the
+  # GPU) | "reference" (decode, optax's Adam, encode: train/moments.py as written).
+  moments_kernel: str = "jnp"
 
   def __post_init__(self):
     if self.schedule not in ("wsd", "cosine", "constant"):
@@ -119,6 +123,9 @@ class OptConfig:
     check_range("opt.schedule_steps", self.schedule_steps, 0)
     if self.moments not in ("fp32", "bf16", "fp8"):
       raise ConfigError(f"opt.moments={self.moments!r}; valid: 'fp32', 'bf16', 'fp8'")
+    if self.moments_kernel not in ("jnp", "pallas", "reference"):
+      raise ConfigError(f"opt.moments_kernel={self.moments_kernel!r}; valid: 'jnp', 'pallas', "
+                        "'reference'")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,10 +99,22 @@ def _group_range(xg: jax.Array) -> tuple[jax.Array, jax.Array]:
   return as_float(amax), jnp.where(amin == big, as_float(amax), as_float(amin))
 
 
-def fp8_encode(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(q float8_e4m3fn of x's shape, a float32, k float32 of group_shape(x.shape))."""
-  xg = _grouped(formats.flush_subnormals(jnp.asarray(x, jnp.float32)))
-  amax, amin = _group_range(xg)
+def encode_groups(xg: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """fp8_encode of grouped float32 values [..., G, GROUP] (subnormals not yet flushed):
+  (q float8_e4m3fn [..., G, GROUP], a [..., G, 1], k [..., G, 1]). train/fp8_adam.py
+  runs the same ops on its blocks of groups."""
+  xg = formats.flush_subnormals(xg)
+  return encode_in_range(xg, *_group_range(xg))
+
+
+def flushed_range(xg: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The (max |x|, min nonzero |x|) per group [..., G, 1] that encode_groups(xg) uses."""
+  return _group_range(formats.flush_subnormals(xg))
+
+
+def encode_in_range(xg: jax.Array, amax: jax.Array, amin: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """encode_groups with its group range given (flushed xg and its flushed_range)."""
   # log2 of the range as a difference: amax / amin would overflow for extreme groups.
   spread = jnp.log2(amax) - jnp.log2(amin)
   k = jnp.minimum(jnp.where(spread > 0, _LOG2_RANGE / jnp.where(spread > 0, spread, 1.0),
@@ -112,18 +124,30 @@ def fp8_encode(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   fmax = np.float32(_E4M3.max)
   y = z * fmax
   y = jnp.where(y > fmax, fmax, jnp.where(y < -fmax, -fmax, y))  # float32 rounding at +-1
-  q = _ungrouped(y.astype(_E4M3.dtype), x.shape)
+  return y.astype(_E4M3.dtype), amax, k
+
+
+def decode_groups(qg: jax.Array, amax: jax.Array, k: jax.Array) -> jax.Array:
+  """The float32 values [..., G, GROUP] of grouped parts (q [..., G, GROUP], a and k
+  [..., G, 1])."""
+  zg = qg.astype(jnp.float32) * _Z_SCALE
+  return jnp.sign(zg) * amax * jnp.exp2(jnp.log2(jnp.abs(zg)) / k)
+
+
+def fp8_encode(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(q float8_e4m3fn of x's shape, a float32, k float32 of group_shape(x.shape))."""
+  # Flushing commutes with the zero padding: flushed here as the reference always did.
+  xg = _grouped(formats.flush_subnormals(jnp.asarray(x, jnp.float32)))
+  qg, amax, k = encode_groups(xg)
   shape = group_shape(x.shape)
-  return q, amax.reshape(shape), k.reshape(shape)
+  return _ungrouped(qg, x.shape), amax.reshape(shape), k.reshape(shape)
 
 
 def fp8_decode(parts: tuple[jax.Array, ...], shape: tuple[int, ...]) -> jax.Array:
   """The float32 moment of fp8_encode's parts."""
   q, amax, k = parts
-  zg = _grouped(q.astype(jnp.float32)) * _Z_SCALE
-  amax = amax.reshape(*zg.shape[:-1], 1)
-  k = k.reshape(*zg.shape[:-1], 1)
-  xg = jnp.sign(zg) * amax * jnp.exp2(jnp.log2(jnp.abs(zg)) / k)
+  qg = _grouped(q)
+  xg = decode_groups(qg, amax.reshape(*qg.shape[:-1], 1), k.reshape(*qg.shape[:-1], 1))
   return _ungrouped(xg, shape)
 
 
@@ -175,18 +199,34 @@ def _decode_tree(codec: Codec, parts: tuple[Any, ...], like) -> Any:
                             for i, x in enumerate(jax.tree.leaves(like))])
 
 
-def scale_by_adam_stored(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                         eps_root: float = 0.0, moments: str = "bf16"
-                         ) -> optax.GradientTransformation:
-  """optax.scale_by_adam with its moments stored by the codec `moments` (see the module)."""
-  codec = get_codec(moments)
-
+def init_of(codec: Codec) -> Callable[[Any], StoredAdamState]:
+  """The init of a stored-moment Adam: zero moments, encoded by `codec`."""
   def init_fn(params):
     # One jax.tree.map per part (not leaves/unflatten): optax.tree_map_params' placeholder
     # params must come back as a placeholder at every part.
     zeros = lambda: tuple(jax.tree.map(lambda p, i=i: codec.zeros(jnp.shape(p))[i], params)
                           for i in range(codec.parts))
     return StoredAdamState(jnp.zeros([], jnp.int32), zeros(), zeros())
+  return init_fn
+
+
+def scale_by_adam_stored(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                         eps_root: float = 0.0, moments: str = "bf16",
+                         kernel: str = "reference") -> optax.GradientTransformation:
+  """optax.scale_by_adam with its moments stored by the codec `moments` (see the module).
+
+  kernel (fp8 only): "reference" decodes, updates and encodes as written here; "jnp" and
+  "pallas" run the same ops in one pass per tensor (train/fp8_adam.py), bit for bit the same
+  on the CPU, with the same state.
+  """
+  codec = get_codec(moments)
+  if kernel != "reference" and moments == "fp8":
+    # Imported here: train/fp8_adam.py imports this module.
+    from infir2_jax.train import fp8_adam  # pylint: disable=import-outside-toplevel
+    return _scale_by_adam_fp8_one_pass(b1, b2, eps, eps_root, kernel, init_of(codec),
+                                       fp8_adam)
+
+  init_fn = init_of(codec)
 
   def update_fn(updates, state, params=None):
     del params
@@ -200,5 +240,31 @@ def scale_by_adam_stored(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
     return updates, StoredAdamState(count_inc, _encode_tree(codec, mu),
                                     _encode_tree(codec, nu))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _scale_by_adam_fp8_one_pass(b1, b2, eps, eps_root, kernel, init_fn, fp8_adam
+                                ) -> optax.GradientTransformation:
+  """scale_by_adam_stored(moments="fp8") with each tensor's step in one pass: the same
+  state tree (a checkpoint of either restores in the other) and the same numbers."""
+  if kernel not in fp8_adam.KERNELS:
+    raise ValueError(f"opt.moments_kernel={kernel!r}; valid: {list(fp8_adam.KERNELS)}")
+
+  def update_fn(updates, state, params=None):
+    del params
+    count_inc = optax.safe_increment(state.count)
+    bcs = fp8_adam.bias_corrections(b1, b2, count_inc)
+    leaves, treedef = jax.tree.flatten(updates)
+    mu = [jax.tree.leaves(part) for part in state.mu]
+    nu = [jax.tree.leaves(part) for part in state.nu]
+    out = [fp8_adam.update_leaf(kernel, g, tuple(p[i] for p in mu),
+                                tuple(p[i] for p in nu), bcs, b1=b1, b2=b2, eps=eps,
+                                eps_root=eps_root)
+           for i, g in enumerate(leaves)]
+    parts = lambda which: tuple(treedef.unflatten([o[which][j] for o in out])
+                                for j in range(3))
+    return (treedef.unflatten([o[0] for o in out]),
+            StoredAdamState(count_inc, parts(1), parts(2)))
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -90,7 +90,8 @@ def _adamw(cfg: OptConfig, schedule: optax.Schedule) -> optax.GradientTransforma
     return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                        weight_decay=cfg.weight_decay, mask=decay_mask)
   return optax.chain(
-      scale_by_adam_stored(cfg.b1, cfg.b2, cfg.eps, moments=cfg.moments),
+      scale_by_adam_stored(cfg.b1, cfg.b2, cfg.eps, moments=cfg.moments,
+                           kernel=cfg.moments_kernel),
       optax.add_decayed_weights(cfg.weight_decay, decay_mask),
       optax.scale_by_learning_rate(schedule))
 

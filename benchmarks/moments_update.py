@@ -1,0 +1,230 @@
+"""The AdamW update alone at a model's parameter shapes: optax float32 vs opt.moments=fp8.
+
+  python benchmarks/moments_update.py --configs=configs/1p5b.py,configs/7b.py \
+      --out=benchmarks/results/moments_update_h200.json
+  python benchmarks/moments_update.py --tiny --out=/tmp/moments_update.json   # CPU, a test
+  INFIR2_GPU_TARGET_CONFIG=$PWD/benchmarks/gpu_target_configs/h200.txtpb JAX_PLATFORMS=cpu \
+      /tmp/gpuaot/bin/python benchmarks/moments_update.py --tiny --aot_gpu --out=/tmp/aot.json
+
+Variants: optax.adamw with float32 moments (the default), and opt.moments=fp8 with each
+opt.moments_kernel (train/fp8_adam.py): "reference" (decode, optax's Adam, encode),
+"jnp" (one pass per tensor for XLA to fuse) and "pallas" (a Pallas kernel). Each is the
+project's own optimizer (train/optim.py, opt.clip_norm=0: the update alone) followed by
+optax.apply_updates, jitted with the state donated, as the train step runs it. Params
+(float32) and gradients (bfloat16, as train/grads.py hands them over) are allocated on the
+device directly from abstract shapes; no host copy.
+
+Per variant: ms per update (host wall time of back-to-back donated calls: each call consumes
+the state the last one returned, so CUPTI's repeated-argument timing does not apply), the
+bytes it must move at least (state in and out, gradients in), the GB/s that makes, and the
+fusions and custom calls (our kernels) of its compiled HLO. The fp8 variants run the same
+steps from the same state, and their results are compared bit for bit (a fingerprint of
+every array's bits on the device; whole arrays with --tiny). --aot_gpu compiles for the
+H200 on a CPU host (deviceless, benchmarks/gpu_target_configs/README.md) and only counts
+the fusions.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+VARIANTS = ("optax_fp32", "fp8_reference", "fp8_jnp", "fp8_pallas")
+TINY_SHAPES = {"embed": (512, 256), "q_proj": (256, 256), "k_proj": (256, 128),
+               "up_proj": (256, 640), "down_proj": (640, 256), "q_bias": (256,),
+               "norm": (200,), "gain": ()}
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--configs", default="configs/1p5b.py,configs/7b.py",
+                 help="comma-separated model configs whose parameter shapes are timed")
+  p.add_argument("--tiny", action="store_true", help="a tiny shape set instead (CPU, tests)")
+  p.add_argument("--variants", default=",".join(VARIANTS))
+  p.add_argument("--steps", type=int, default=3, help="updates before the comparison")
+  p.add_argument("--iters", type=int, default=10, help="timed updates per variant")
+  p.add_argument("--grad_dtype", default="bfloat16")
+  p.add_argument("--aot_gpu", action="store_true",
+                 help="compile for the GPU of $INFIR2_GPU_TARGET_CONFIG and count fusions only")
+  p.add_argument("--out", default="")
+  return p.parse_args(argv)
+
+
+def param_shapes(spec: str) -> dict[str, tuple[int, ...]]:
+  """{path: shape} of a config's model params, from abstract init (nothing allocated)."""
+  import flax.linen as nn
+  import jax
+  from infir2_jax.config import load_config
+  from infir2_jax.model import Qwen2, init_params
+  from infir2_jax.parallel.state import path_str
+  cfg = load_config(spec)
+  abstract = nn.unbox(jax.eval_shape(lambda: init_params(Qwen2(cfg.model), jax.random.key(0))))
+  return {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+
+
+def make_update(variant: str):
+  """(optimizer, update(params, grads, opt_state) -> (params, opt_state)) of a variant."""
+  import optax
+  from infir2_jax.config import OptConfig
+  from infir2_jax.train.optim import make_optimizer
+  moments, kernel = ("fp32", "jnp") if variant == "optax_fp32" else ("fp8", variant[4:])
+  tx = make_optimizer(OptConfig(moments=moments, moments_kernel=kernel, clip_norm=0.0,
+                                warmup_steps=1), 1000)
+
+  def update(params, grads, opt_state):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return tx, update
+
+
+def hlo_launches(hlo_text: str) -> dict[str, int]:
+  """Fusions and custom calls in the compiled HLO's entry computation: what XLA launches
+  (on the GPU, a kernel each; a custom call is a cuBLAS call or one of our Pallas kernels)."""
+  entry = hlo_text[hlo_text.index("\nENTRY"):]
+  entry = entry[:entry.find("\n}") + 1] if "\n}" in entry else entry
+  lines = entry.splitlines()
+  return {"fusions": sum(" fusion(" in ln for ln in lines),
+          "custom_calls": sum(" custom-call(" in ln for ln in lines),
+          "pallas_kernels": sum(" custom-call(" in ln and "fp8_adam" in ln for ln in lines)}
+
+
+def _fingerprint(tree):
+  """Two wrapping int32 sums of every array's bits (one position-weighted): equal trees give
+  equal fingerprints, and any changed element changes them but by a 2**-32 chance."""
+  import jax
+  import jax.numpy as jnp
+
+  def one(x):
+    bits = (jax.lax.bitcast_convert_type(x, jnp.int8).astype(jnp.int32) if x.dtype.itemsize == 1
+            else jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32))
+    flat = bits.reshape(-1)
+    weight = (jnp.arange(flat.shape[0], dtype=jnp.int32) % 65521) + 1
+    return jnp.stack([jnp.sum(flat), jnp.sum(flat * weight)])
+  return jax.tree.map(one, tree)
+
+
+def run_shape_set(name, shapes, args, device_or_none, save=lambda partial: None):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  grad_dtype = jnp.dtype(args.grad_dtype)
+  abstract_params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+  abstract_grads = {k: jax.ShapeDtypeStruct(s, grad_dtype) for k, s in shapes.items()}
+  n_params = int(sum(np.prod(s) for s in shapes.values()))
+  out = {"shapes": name, "tensors": len(shapes), "params": n_params, "variants": {}}
+  fingerprints = {}
+  for variant in args.variants.split(","):
+    tx, update = make_update(variant)
+    abstract_state = jax.eval_shape(tx.init, abstract_params)
+    step = jax.jit(update, donate_argnums=(0, 2))
+    t0 = time.perf_counter()
+    if args.aot_gpu:
+      rep = jax.sharding.SingleDeviceSharding(device_or_none)
+      on = lambda tree: jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree)
+      # The abstract mesh names the GPU for Pallas' Triton lowering (no GPU here).
+      with jax.sharding.use_abstract_mesh(
+          jax.sharding.Mesh([device_or_none], ("x",)).abstract_mesh):
+        compiled = step.trace(on(abstract_params), on(abstract_grads), on(abstract_state)
+                              ).lower(lowering_platforms=("cuda",)).compile()
+    else:
+      compiled = step.lower(abstract_params, abstract_grads, abstract_state).compile()
+    entry = {"compile_s": round(time.perf_counter() - t0, 1),
+             **hlo_launches(compiled.as_text())}
+    state_bytes = sum(x.size * x.dtype.itemsize for x in
+                      jax.tree.leaves((abstract_params, abstract_state)))
+    grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_grads))
+    entry["bytes_moved"] = int(2 * state_bytes + grad_bytes)   # state in and out, grads in
+    entry["bytes_per_param"] = round(entry["bytes_moved"] / n_params, 3)
+    if not args.aot_gpu:
+      entry.update(_time_variant(step, tx, abstract_params, grad_dtype, args, fingerprints,
+                                 variant))
+      entry["gb_per_s"] = round(entry["bytes_moved"] / entry["ms"] / 1e6, 1)
+    out["variants"][variant] = entry
+    print(f"[{name}] {variant}: {entry}", flush=True)
+    save(out)   # what is measured survives a run cut short
+  fp8 = [v for v in fingerprints if v.startswith("fp8_")]
+  if len(fp8) > 1:
+    ref = fingerprints[fp8[0]]
+    out["bit_identical_to_" + fp8[0]] = {
+        v: bool(all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(ref),
+                                                         jax.tree.leaves(fingerprints[v]))))
+        for v in fp8[1:]}
+    print(f"[{name}] bit-identical: {out['bit_identical_to_' + fp8[0]]}", flush=True)
+  return out
+
+
+def _time_variant(step, tx, abstract_params, grad_dtype, args, fingerprints, variant):
+  """Runs `args.steps` updates from a seeded state (the same for every variant), keeps the
+  fingerprint (or, --tiny, the arrays) of the result, then times `args.iters` more."""
+  import jax
+  import jax.numpy as jnp
+
+  @jax.jit
+  def make_inputs():
+    keys = iter(jax.random.split(jax.random.key(0), 2 * len(abstract_params)))
+    params = {k: jax.random.normal(next(keys), x.shape, jnp.float32)
+              for k, x in abstract_params.items()}
+    # Gradients spanning decades, with exact zeros, as real ones do.
+    def grad(key, shape):
+      k1, k2, k3 = jax.random.split(key, 3)
+      g = jax.random.normal(k1, shape) * 10.0 ** jax.random.uniform(k2, shape, minval=-6,
+                                                                     maxval=0)
+      return jnp.where(jax.random.uniform(k3, shape) < 0.05, 0.0, g).astype(grad_dtype)
+    grads = {k: grad(next(keys), x.shape) for k, x in abstract_params.items()}
+    return params, grads, tx.init(params)
+
+  params, grads, opt_state = make_inputs()
+  for _ in range(args.steps):
+    params, opt_state = step(params, grads, opt_state)
+  if variant.startswith("fp8_"):
+    result = (params, opt_state)
+    fingerprints[variant] = jax.device_get(result if args.tiny else _fingerprint(result))
+  jax.block_until_ready((params, opt_state))
+  t0 = time.perf_counter()
+  for _ in range(args.iters):
+    params, opt_state = step(params, grads, opt_state)
+  jax.block_until_ready((params, opt_state))
+  ms = (time.perf_counter() - t0) * 1e3 / args.iters
+  del params, grads, opt_state
+  return {"ms": round(ms, 3)}
+
+
+def main(argv):
+  args = parse_args(argv)
+  import jax
+  from infir2_jax.bench.tools import run_info
+  device = None
+  if args.aot_gpu:
+    from jax.experimental import topologies
+    path = os.environ.get("INFIR2_GPU_TARGET_CONFIG")
+    if not path:
+      raise SystemExit("--aot_gpu: set INFIR2_GPU_TARGET_CONFIG "
+                       "(benchmarks/gpu_target_configs/README.md)")
+    with open(path) as f:
+      device = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                            target_config=f.read()).devices[0]
+  shape_sets = ({"tiny": TINY_SHAPES} if args.tiny else
+                {spec: param_shapes(spec) for spec in args.configs.split(",")})
+  results = {**run_info(argv), "aot_gpu": args.aot_gpu, "grad_dtype": args.grad_dtype,
+             "steps": args.steps, "iters": args.iters, "results": []}
+  if args.aot_gpu:
+    results["device"] = "H200 (deviceless AOT from $INFIR2_GPU_TARGET_CONFIG): nothing ran"
+
+  def save(partial=None):
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump({**results, "results": results["results"] + ([partial] if partial else [])},
+                  f, indent=1)
+  for name, shapes in shape_sets.items():
+    results["results"].append(run_shape_set(name, shapes, args, device, save))
+    save()
+  del jax
+  return results
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,196 @@
+"""Adam's step over FP8 moments (train/moments.py's fp8 codec) in one pass per tensor.
+
+The reference path (moments.scale_by_adam_stored, kernel="reference") decodes each moment to
+the param's shape, runs optax's Adam there and encodes the new moments again: on the GPU XLA
+runs the decode, the group statistics, the range expansion and the re-quantization as
+separate passes, with float32 moments in memory between them. Here each tensor is grouped
+once ([..., G, 128]; a, k as [..., G, 1]) and the step is one function of a block of groups:
+decode q, a, k of both moments -> float32; Adam's moments and direction; each group's max
+and min-nonzero; k; re-encode. Two forms (opt.moments_kernel):
+
+  jnp     `adam_rows_recomputed` on the whole tensor, for XLA to fuse. XLA:GPU cannot feed a
+          reduction back into the loop that made it, so it is two fusions per tensor: the
+          group ranges (reading g and q), then the encode with the direction, weight decay,
+          learning rate and param update fused in (g, q and the param again): ~18 bytes a
+          param with bf16 gradients, against optax's float32 AdamW's 26.
+  pallas  `adam_rows` as a Pallas kernel over [N, 128] rows, one program per block of R
+          rows (Triton on the GPU, interpret=True elsewhere): one pass for the moments and
+          the direction; the param update is an XLA fusion after it, as optax applies
+          updates outside the transform (step.py), ~22 bytes a param.
+
+Both are the reference's float32 ops in the reference's order, element by element, so on
+the CPU they are bit-identical to it (tests/test_fp8_adam.py). A last axis that is not a
+multiple of 128 (1-D biases and norms) is zero-padded to whole groups as the reference pads
+it; the reference slices the padding off and pads again with zeros before it encodes, which
+needs no mask here: a padded lane has q = 0 and g = 0, so it decodes to exactly 0 and stays
+0 wherever its group's scale a is finite (where a is inf the group is NaN already).
+
+Legend: N groups of a tensor (rows), R rows per Pallas block, GROUP = 128 lanes.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
+
+from infir2_jax.precision import formats
+from infir2_jax.train import moments
+
+KERNELS = ("jnp", "pallas", "reference")   # valid values of opt.moments_kernel
+BLOCK_ROWS = 32                            # Pallas: most rows (groups) per program
+
+
+def new_moments(g_NxG, m_parts, v_parts, *, b1, b2):
+  """Adam's new float32 moments from the stored ones (optax's update_moment functions)."""
+  m = optax.tree.update_moment(g_NxG, moments.decode_groups(*m_parts), b1, 1)
+  v = optax.tree.update_moment_per_elem_norm(g_NxG, moments.decode_groups(*v_parts), b2, 2)
+  return m, v
+
+
+def direction_of(m, v, bias_corrections, *, eps, eps_root):
+  """Adam's direction; optax.tree.bias_correction's divisions, their scalars given."""
+  bc1, bc2 = bias_corrections
+  return (m / bc1) / (jnp.sqrt(v / bc2 + eps_root) + eps)
+
+
+def adam_rows(g_NxG, m_parts, v_parts, bias_corrections, *, b1, b2, eps, eps_root):
+  """One Adam step on rows of groups: (direction [N, GROUP], new m parts, new v parts).
+
+  m_parts / v_parts: (q [N, GROUP] e4m3, a [N, 1], k [N, 1]); bias_corrections: optax's
+  1 - b**count for b1 and b2 (float32 scalars). Any leading axes work as N.
+  """
+  m, v = new_moments(g_NxG, m_parts, v_parts, b1=b1, b2=b2)
+  direction = direction_of(m, v, bias_corrections, eps=eps, eps_root=eps_root)
+  return direction, moments.encode_groups(m), moments.encode_groups(v)
+
+
+def adam_rows_recomputed(g_NxG, m_parts, v_parts, bias_corrections, *, b1, b2, eps,
+                         eps_root):
+  """adam_rows in the two passes XLA can fuse, without the float32 moments in memory
+  (g_NxG in its own dtype, bf16 from the train step).
+
+  XLA:GPU cannot broadcast a reduction's result back into the loop that made it, so the
+  group ranges take a pass of their own. Left alone it writes the new float32 moments out
+  of that pass (8 bytes a param) and reads them back to encode. Here the second pass
+  recomputes them from the stored inputs instead (reading 1 byte a moment again), kept
+  from being merged with the first by an optimization barrier on the inputs: the same ops
+  on the same values, so the same bits.
+  """
+  f32 = lambda g: g.astype(jnp.float32)   # in both passes: no float32 copy of g either
+  m, v = new_moments(f32(g_NxG), m_parts, v_parts, b1=b1, b2=b2)
+  m_range, v_range = moments.flushed_range(m), moments.flushed_range(v)
+  g_NxG, m_parts, v_parts = jax.lax.optimization_barrier((g_NxG, m_parts, v_parts))
+  m, v = new_moments(f32(g_NxG), m_parts, v_parts, b1=b1, b2=b2)
+  direction = direction_of(m, v, bias_corrections, eps=eps, eps_root=eps_root)
+  encode = lambda x, rng: moments.encode_in_range(formats.flush_subnormals(x), *rng)
+  return direction, encode(m, m_range), encode(v, v_range)
+
+
+def bias_corrections(b1: float, b2: float, count_inc: jax.Array) -> jax.Array:
+  """[1 - b1**count, 1 - b2**count] as optax.tree.bias_correction computes them."""
+  return jnp.stack([(1 - b1**count_inc).astype(jnp.float32),
+                    (1 - b2**count_inc).astype(jnp.float32)])
+
+
+# --- the [N, GROUP] view of a tensor --------------------------------------------------------
+
+def to_rows(x: jax.Array) -> jax.Array:
+  """A param-shaped tensor -> [N, GROUP] (zero-padded last axis), one group per row."""
+  return moments._grouped(x).reshape(-1, moments.GROUP)  # pylint: disable=protected-access
+
+
+def from_rows(x_NxG: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """The inverse of to_rows (also of the [..., G, GROUP] grouping): padding sliced off."""
+  groups = moments.group_shape(shape) or (1,)
+  ungroup = moments._ungrouped  # pylint: disable=protected-access
+  return ungroup(x_NxG.reshape(*groups, moments.GROUP), shape)
+
+
+# --- the two forms ---------------------------------------------------------------------------
+
+def update_jnp(g, m_parts, v_parts, bcs, **hyper):
+  """adam_rows on a whole tensor grouped once as [..., G, GROUP] (its leading axes kept, so
+  XLA shards it as it shards the param), for XLA to fuse."""
+  g_grouped = moments._grouped(g)  # pylint: disable=protected-access  (float32 in the passes)
+  stats = lambda x: x.reshape(*g_grouped.shape[:-1], 1)
+  grouped = lambda parts: (moments._grouped(parts[0]),  # pylint: disable=protected-access
+                           stats(parts[1]), stats(parts[2]))
+  return adam_rows_recomputed(g_grouped, grouped(m_parts), grouped(v_parts),
+                              (bcs[0], bcs[1]), **hyper)
+
+
+def block_rows(n: int, most: int = BLOCK_ROWS) -> int:
+  """The largest power of two <= `most` that divides n: blocks tile the rows exactly."""
+  return math.gcd(n, 1 << (most.bit_length() - 1))
+
+
+def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=BLOCK_ROWS,
+                  interpret=None, **hyper):
+  """adam_rows as a Pallas kernel: one program per block of R rows (groups)."""
+  n = g_NxG.shape[0]
+  r = block_rows(n, most_rows)
+  lanes_spec = pl.BlockSpec((r, moments.GROUP), lambda i: (i, 0))
+  group_spec = pl.BlockSpec((r, 1), lambda i: (i, 0))
+  scalar_spec = pl.BlockSpec((2,), lambda i: (0,))
+  parts_specs = (lanes_spec, group_spec, group_spec)
+
+  def kernel(g_ref, qm_ref, am_ref, km_ref, qv_ref, av_ref, kv_ref, bc_ref,
+             d_out, qm_out, am_out, km_out, qv_out, av_out, kv_out):
+    direction, new_m, new_v = adam_rows(
+        g_ref[...].astype(jnp.float32), (qm_ref[...], am_ref[...], km_ref[...]),
+        (qv_ref[...], av_ref[...], kv_ref[...]), (bc_ref[0], bc_ref[1]), **hyper)
+    d_out[...] = direction
+    for ref, x in zip((qm_out, am_out, km_out, qv_out, av_out, kv_out), (*new_m, *new_v)):
+      ref[...] = x
+
+  parts_shapes = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in m_parts)
+  call = lambda interpret: pl.pallas_call(
+      kernel, grid=(n // r,),
+      in_specs=[lanes_spec, *parts_specs, *parts_specs, scalar_spec],
+      out_specs=[lanes_spec, *parts_specs, *parts_specs],
+      out_shape=[jax.ShapeDtypeStruct(g_NxG.shape, jnp.float32), *parts_shapes,
+                 *parts_shapes],
+      # The moments are rewritten in place (the train step donates the state).
+      input_output_aliases={1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6},
+      interpret=interpret, name="fp8_adam")
+  args = (g_NxG, *m_parts, *v_parts, bcs)
+  if interpret is None:   # Triton where it is lowered for CUDA (also ahead of time, on a CPU)
+    out = jax.lax.platform_dependent(*args, cuda=call(False), default=call(True))
+  else:
+    out = call(interpret)(*args)
+  return out[0], tuple(out[1:4]), tuple(out[4:7])
+
+
+def _per_shard(fn, n: int):
+  """fn over rows split across every device of the current mesh (shard_map), so a kernel
+  never makes XLA gather a sharded tensor; fn itself where there is no mesh of several
+  devices or the rows do not split evenly. Rows are whole groups, so no group crosses a
+  shard; the results are the same either way (each row is computed on its own)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1 or n % mesh.size:
+    return fn
+  rows = P(mesh.axis_names)
+  specs = ((rows, (rows,) * 3, (rows,) * 3, P()))
+  return jax.shard_map(fn, mesh=mesh, in_specs=specs,
+                       out_specs=(rows, (rows,) * 3, (rows,) * 3), check_vma=False)
+
+
+def update_leaf(kernel: str, g, m_parts, v_parts, bcs, **hyper):
+  """One param's step in param-shaped arrays: (direction, new m parts, new v parts)."""
+  shape = jnp.shape(g)
+  if kernel == "pallas":
+    stats = lambda x: x.reshape(-1, 1)
+    rows = lambda parts: (to_rows(parts[0]), stats(parts[1]), stats(parts[2]))
+    g_rows = to_rows(g)
+    fn = _per_shard(functools.partial(update_pallas, **hyper), g_rows.shape[0])
+    direction, new_m, new_v = fn(g_rows, rows(m_parts), rows(v_parts), bcs)
+  else:
+    direction, new_m, new_v = update_jnp(g, m_parts, v_parts, bcs, **hyper)
+  group = moments.group_shape(shape)
+  back = lambda parts: (from_rows(parts[0], shape), parts[1].reshape(group),
+                        parts[2].reshape(group))
+  return from_rows(direction, shape), back(new_m), back(new_v)
