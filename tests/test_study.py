@@ -217,10 +217,11 @@ def test_tiny_study_end_to_end_with_a_kill(tmp_path):
   res, work = str(tmp_path / "gpu_study" / "runs"), str(tmp_path / "work")
   cmd = [PY, "-m", "infir2_jax.ablation.study", "--study=configs/study_smollm2.py:tiny",
          f"--results={res}", f"--workdir={work}"]
-  env = dict(os.environ, INFIR2_COMPILATION_CACHE=str(tmp_path / "cache"))
+  # One CPU device per trainer (conftest's 8 fake devices would shard the tiny batch).
+  env = dict(os.environ, INFIR2_COMPILATION_CACHE=str(tmp_path / "cache"), XLA_FLAGS="")
   # Nothing measured: the first wave of 2 runs measures; the budget stops it there.
-  subprocess.run(cmd + ["--budget_s=1"], cwd=ROOT, env=env, check=True, timeout=900,
-                 capture_output=True)
+  subprocess.run(cmd + ["--budget_s=1", "--grace_s=900"], cwd=ROOT, env=env, check=True,
+                 timeout=900, capture_output=True)
   assert _finished(res) == ["bf16-seed0", "infir2-seed0"]
   assert os.path.exists(os.path.join(res, "infir2-seed0", results_lib.TELEMETRY_FILE))
   text = open(os.path.join(tmp_path, "gpu_study", "README.md")).read()

@@ -248,13 +248,17 @@ def main(argv=None) -> None:
             f"estimated {'unknown' if est is None else f'{est:.0f} s'}")
       return
     command = shlex.join(["python", "-m", "infir2_jax.ablation.study", *argv[1:]])
-    run_study(spec, F.results, workdir, budget_s=F.budget_s, parallel=parallel,
-              threads_per_run=int(settings["threads_per_run"]), grace_s=F.grace_s,
-              command=command)
+    status = run_study(spec, F.results, workdir, budget_s=F.budget_s, parallel=parallel,
+                       threads_per_run=int(settings["threads_per_run"]), grace_s=F.grace_s,
+                       command=command)
     report_dir = parent if F.report_dir is None else F.report_dir
     if report_dir:
       from infir2_jax.ablation import study_report  # pylint: disable=g-import-not-at-top
       print(f"wrote {study_report.build(F.results, report_dir, study=F.study)}")
+    failed = sorted(n for n, st in status.items() if st == "failed")
+    if failed:   # crashed (not diverged, not stopped at the budget): their train.log says why
+      sys.exit(f"study: run(s) failed: {failed}; see {workdir}/<run>/train.log; the next call "
+               "retries them")
 
   app.run(_main, argv=argv)
 

@@ -21,6 +21,7 @@ from infir2_jax.ablation import sweep
 from infir2_jax.train import rundir
 
 README = "README.md"
+HOW_TO = "HOW_TO_RUN.md"   # a hand-written page beside the README, linked when present
 UNDERFLOW_PAIR = ("infir2", "infir2_wgrad_dy_bf16")   # the same recipe but the wgrad's dY
 MARGIN_WHY = (
     "Why 1%: it is the margin of this project's CPU sweep (reports/default_sweep), so the two "
@@ -131,17 +132,21 @@ def _time_lines(record: dict) -> list[str]:
 def build(results_dir: str, out_dir: str, study: str = "") -> str:
   """Writes OUT_DIR/README.md (and report.md, plots, runs.csv); returns the README's path."""
   record = rundir.read_json(os.path.join(results_dir, sweep.SWEEP_FILE)) or {}
+  if not record and study:   # no session yet: the grid from the study config
+    from infir2_jax.ablation import grid, study as study_lib  # pylint: disable=g-import-not-at-top
+    grid_spec = study_lib.load_study(study)[0]
+    record = {"spec": grid_spec.to_dict(), "runs": [r.name for r in grid.expand(grid_spec)]}
   spec = record.get("spec", {})
   s = {**report.DEFAULTS, **spec.get("report", {})}
   grid_runs = record.get("runs", [])
   os.makedirs(out_dir, exist_ok=True)
+  rel_results = os.path.relpath(results_dir, out_dir)
   try:
     runs = report.load_runs(results_dir)
   except (FileNotFoundError, ValueError):
     runs = []
   done = [r for r in runs if r.status in ("done", "diverged")]
   total = len(grid_runs) or len(runs)
-  rel_results = os.path.relpath(results_dir, out_dir)
   command = (f"python -m infir2_jax.ablation.study --study={study or 'STUDY'} "
              f"--budget_s=1200 --results={results_dir}")
   lines = ["# GPU-scale precision study (issue 38)", "",
@@ -149,9 +154,14 @@ def build(results_dir: str, out_dir: str, study: str = "") -> str:
            + (" — the grid is complete." if total and len(done) == total else
               " — every verdict below is provisional until the grid completes."), ""]
   if spec:
-    steps = spec.get("overrides", {}).get("steps")
-    lines += [f"Grid: `{spec.get('grid')}`" + (f", {steps} steps per run" if steps else "")
-              + " (every setting: the full report below).", ""]
+    o = spec.get("overrides", {})
+    tokens = (o.get("steps", 0) * o.get("batch_size", 0) * o.get("seq_len", 0)) / 1e6
+    lines += [f"Grid: `{spec.get('grid')}`"
+              + (f", {o['steps']} steps of {o.get('batch_size')} x {o.get('seq_len')} tokens "
+                 f"({tokens:.1f}M) per run" if tokens else "")
+              + (f"; the data, its held-out split and how often it repeats: `{study}`'s "
+                 "docstring" if study else "")
+              + f". Every setting: `{os.path.join(rel_results, sweep.SWEEP_FILE)}`.", ""]
   body, figures_text = [], ""
   if done:
     try:
@@ -173,7 +183,10 @@ def build(results_dir: str, out_dir: str, study: str = "") -> str:
             "## Device time", "", *_time_lines(record), "",
             "## Next slice", "",
             f"`{command}` runs the next runs that fit its budget, exports each finished one to "
-            f"[{rel_results}]({rel_results}) and rebuilds this page.", ""]
+            f"[{rel_results}]({rel_results}) and rebuilds this page."
+            + (f" Bringing the weights and wheels onto a GPU machine that reaches no "
+               f"registry: [{HOW_TO}]({HOW_TO})."
+               if os.path.exists(os.path.join(out_dir, HOW_TO)) else ""), ""]
   if figures_text:
     lines += [figures_text]
   path = os.path.join(out_dir, README)
