@@ -130,11 +130,13 @@ def device_name() -> str:
 
 
 def _check_same_grid(spec: SweepSpec, results_dir: str) -> dict:
+  """The results' record; refuses results of other runs (the report settings may change)."""
   record = rundir.read_json(os.path.join(results_dir, sweep.SWEEP_FILE)) or {}
-  old = record.get("spec")
-  if old is not None and old != _as_json(spec.to_dict()):
+  old = {k: v for k, v in (record.get("spec") or {}).items() if k != "report"}
+  new = {k: v for k, v in _as_json(spec.to_dict()).items() if k != "report"}
+  if old and old != new:
     raise StudyError(f"{results_dir} holds runs of another grid ({old}); this study config "
-                     f"gives {spec.to_dict()}. Restore the config, or use another --results")
+                     f"gives {new}. Restore the config, or use another --results")
   return record
 
 
