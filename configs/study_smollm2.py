@@ -30,6 +30,7 @@ import ml_collections
 from infir2_jax.config import ConfigError
 
 STEPS = 2000               # the one field to set from the first measured slice
+LOG_EVERY = 10             # telemetry is logged on log steps only: its period is a multiple
 SMOLLM2_HF = "/tmp/smollm2_hf"   # the converted HF directory (weights + tokenizer.json)
 RECIPES = ("bf16", "infir2", "infir2_fp32_scale", "infir2_e5m2_grad", "infir2_wgrad_dy_bf16")
 
@@ -56,9 +57,10 @@ def get_config(variant: str | None = None):
   o.opt = dict(schedule="wsd", lr=1e-4, warmup_steps=STEPS // 8, decay_fraction=0.2,
                min_lr_ratio=0.1, weight_decay=0.1, clip_norm=1.0)
   o.eval = dict(every_steps=STEPS // 8, batches=16)       # 16 x 4 x 2048 = 131k val tokens
-  o.precision = dict(telemetry_every_steps=STEPS // 4)   # FP8 numerics at 4 points
+  o.precision = dict(   # FP8 numerics at 4 points
+      telemetry_every_steps=max(LOG_EVERY, STEPS // 4 // LOG_EVERY * LOG_EVERY))
   o.checkpoint = dict(every_steps=STEPS // 4, keep=1)    # a stopped run resumes from here
-  o.log = dict(every_steps=10, progress_bar=False, tensorboard=False)
+  o.log = dict(every_steps=LOG_EVERY, progress_bar=False, tensorboard=False)
   c.grid = ml_collections.ConfigDict()
   c.grid.precision = dict(recipe=RECIPES)
   c.grid.seed = (0, 1, 2)

@@ -128,7 +128,8 @@ def test_estimates_scale_with_runs_sharing_the_device(tmp_path):
 def test_kill_leaves_no_half_written_result_and_the_next_call_finishes(tmp_path):
   res, work = str(tmp_path / "runs"), str(tmp_path / "work")
   spec = _spec(seeds=(0,))
-  code = (f"import sys; sys.path.insert(0, {ROOT!r}); sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+  tests = os.path.dirname(os.path.abspath(__file__))
+  code = (f"import sys; sys.path[:0] = [{ROOT!r}, {tests!r}]\n"
           "import test_study as t\nfrom infir2_jax.ablation import study\n"
           f"study.run_study(t._spec(seeds=(0,)), {res!r}, {work!r}, budget_s=1e4, parallel=1, "
           "command_fn=t.stub(30.0))\n")
@@ -172,6 +173,22 @@ def test_export_is_atomic(tmp_path, monkeypatch):
   assert results_lib.remove_partial(str(res)) and os.listdir(res) == []
   results_lib.export_run(str(run_dir), str(res), "r", {"wall_s": 1.0})
   assert results_lib.is_finished(str(res), "r")
+
+
+def test_study_configs_load_and_refuse_telemetry_that_is_never_logged(tmp_path):
+  spec, settings = study.load_study(os.path.join(ROOT, "configs", "study_smollm2.py"))
+  runs = grid.expand(spec)
+  assert len(runs) == 15 and settings["parallel"] == 4
+  assert {dict(r.axes)["precision.recipe"] for r in runs} >= {"bf16", "infir2_wgrad_dy_bf16"}
+  grid.check_runs(spec, runs)
+  path = tmp_path / "s.py"
+  path.write_text("import ml_collections\n"
+                  "def get_config(v=None):\n"
+                  "  return ml_collections.ConfigDict(dict(base='', overrides=dict(\n"
+                  "      precision=dict(telemetry_every_steps=15), log=dict(every_steps=10)),\n"
+                  "      grid=dict(seed=(0,)), study=dict(parallel=2)))\n")
+  with pytest.raises(study.StudyError, match="no multiple of log.every_steps=10"):
+    study.load_study(str(path))
 
 
 def test_results_of_another_grid_are_refused(tmp_path):

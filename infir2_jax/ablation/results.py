@@ -1,7 +1,7 @@
 """A study's committed results folder: each finished run's metrics and telemetry, no checkpoints.
 
-  RESULTS/sweep.json            the spec, the runs and every session's wall time (ablation/sweep.py's
-                                format, plus each session's budget and device)
+  RESULTS/sweep.json            the spec, the runs and every session's wall time (the format
+                                of ablation/sweep.py, plus each session's budget and device)
   RESULTS/<run>/DONE            final metrics, wall time, runs sharing the device, device
                                 (FAILED instead for a run that diverged)
   RESULTS/<run>/config.json     the trainer's config of the run

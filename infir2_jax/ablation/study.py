@@ -53,7 +53,20 @@ def load_study(path: str) -> tuple[SweepSpec, dict]:
                        f"{sorted(STUDY_DEFAULTS)}")
     settings.update(extra)
     del config["study"]
-  return spec_from_config(config), settings
+  spec = spec_from_config(config)
+  for run in expand(spec):
+    _check_telemetry_is_logged(dict(run.overrides), run.name)
+  return spec, settings
+
+
+def _check_telemetry_is_logged(overrides: dict, name: str) -> None:
+  """The trainer writes telemetry on log steps only: any other period loses it silently."""
+  every = overrides.get("precision.telemetry_every_steps", 0)
+  log_every = overrides.get("log.every_steps", 1)
+  if every and every % log_every:
+    raise StudyError(f"run {name}: precision.telemetry_every_steps={every} is no multiple of "
+                     f"log.every_steps={log_every}, so no telemetry would be written; make it "
+                     "one")
 
 
 def _status(results_dir: str, workdir: str, name: str) -> str:
