@@ -156,6 +156,20 @@ def test_kill_leaves_no_half_written_result_and_the_next_call_finishes(tmp_path)
   assert _calls(work, "bf16-seed0") == 2          # the killed run ran again
 
 
+def test_a_run_stopped_at_the_budget_resumes_and_counts_every_attempt(tmp_path):
+  res, work = str(tmp_path / "runs"), str(tmp_path / "work")
+  spec = _spec(seeds=(0,), recipes=("bf16",))
+  t0 = time.perf_counter()
+  study.run_study(spec, res, work, budget_s=0.01, grace_s=1.0, command_fn=stub(20.0),
+                  log=lambda *_: None)
+  assert time.perf_counter() - t0 < 15             # stopped (SIGTERM), not run to its end
+  assert _finished(res) == [] and sweep.run_status(os.path.join(work, "bf16-seed0")) == "partial"
+  study.run_study(spec, res, work, budget_s=1e4, command_fn=stub(0.5), log=lambda *_: None)
+  done = rundir.read_json(os.path.join(res, "bf16-seed0", sweep.DONE_FILE))
+  assert done["attempts"] == 2 and done["wall_s"] >= 1.0 + 0.5
+  assert _calls(work, "bf16-seed0") == 2
+
+
 def test_export_is_atomic(tmp_path, monkeypatch):
   run_dir, res = tmp_path / "run", tmp_path / "res"
   os.makedirs(run_dir)

@@ -34,7 +34,8 @@ from infir2_jax.errors import UserError
 from infir2_jax.train import rundir
 
 STUDY_DEFAULTS = {"parallel": 1, "threads_per_run": 0}
-FINISHED = ("done", "diverged")  # a diverged run is a result (the report lists it), not retried
+FINISHED = ("done", "diverged")
+ATTEMPTS_FILE = "study_attempts.json"  # WORKDIR/<run>/: wall times of attempts stopped early  # a diverged run is a result (the report lists it), not retried
 
 
 class StudyError(UserError, ValueError):
@@ -189,11 +190,16 @@ def run_study(spec: SweepSpec, results_dir: str, workdir: str, *, budget_s: floa
                        "sessions": sessions})
 
   def export(run, run_dir, status, wall_s):
+    # Earlier attempts stopped at a budget count too: the estimate is the whole run's time.
+    attempts_path = os.path.join(run_dir, ATTEMPTS_FILE)
+    attempts = (rundir.read_json(attempts_path) or {"wall_s": []})["wall_s"] + [wall_s]
     if status in FINISHED:
       results_lib.export_run(run_dir, results_dir, run.name, {
-          "wall_s": round(wall_s, 1), "parallel": parallel, "device": device,
-          "session": session["start"]})
+          "wall_s": round(sum(attempts), 1), "attempts": len(attempts), "parallel": parallel,
+          "device": device, "session": session["start"]})
       session["runs"].append(run.name)
+    elif os.path.isdir(run_dir):
+      rundir.write_json(attempts_path, {"wall_s": attempts})
     save_record()
 
   save_record()   # the session counts from here, even if it is killed

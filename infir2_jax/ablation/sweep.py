@@ -130,7 +130,8 @@ def run_sweep(spec: SweepSpec, workdir: str, *, parallel: int = 1, threads_per_r
     command_fn: (spec, run, workdir, python) -> argv; tests replace the trainer with a stub.
     deadline: time.perf_counter() value past which no run starts and the running ones get
       SIGTERM (the trainer saves a checkpoint and stops); they stay "partial", to resume.
-    on_finish: called as on_finish(run, run_dir, status, wall_s) when a run's process ends.
+    on_finish: called as on_finish(run, run_dir, status, wall_s) when a run's process ends
+      (also when stopped at the deadline: status "partial").
   """
   if parallel < 1:
     raise ValueError(f"--parallel must be >= 1, got {parallel}")
@@ -168,6 +169,8 @@ def run_sweep(spec: SweepSpec, workdir: str, *, parallel: int = 1, threads_per_r
         if stopping and proc.returncode != 0:  # stopped at the deadline: no marker; resumes
           status[name] = run_status(run_dir)
           log(f"{name}: stopped at the time budget ({status[name]})")
+          if on_finish is not None:
+            on_finish(run, run_dir, status[name], time.perf_counter() - t0)
           return
         status[name] = _finish(run, run_dir, proc.returncode, time.perf_counter() - t0, offset)
         if on_finish is not None:
