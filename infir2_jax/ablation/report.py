@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from infir2_jax.ablation import plots as plots_lib
+from infir2_jax.ablation import results
 from infir2_jax.ablation import statistics
 from infir2_jax.ablation import sweep
 from infir2_jax.train import rundir
@@ -86,6 +87,7 @@ def load_run(run_dir: str, compare: str = RECIPE_KEY) -> RunData:
   evals = [r for r in records if "eval_loss" in r]
   telemetry = [{k: v for k, v in r.items() if k.startswith("fp8/") or k == "step"}
                for r in train if any(k.startswith("fp8/") for k in r)]
+  telemetry = telemetry or results.read_telemetry(run_dir)  # a study's compact copy
   marker = (rundir.read_json(os.path.join(run_dir, sweep.DONE_FILE))
             or rundir.read_json(os.path.join(run_dir, sweep.FAILED_FILE)) or {})
   return RunData(
@@ -132,6 +134,8 @@ def load_runs(sweep_dir: str, compare: str = RECIPE_KEY) -> list[RunData]:
   runs = []
   for name in sorted(os.listdir(sweep_dir)):
     path = os.path.join(sweep_dir, name)
+    if name.startswith("."):  # caches, a study's half-written exports (ablation/results.py)
+      continue
     if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in (
         rundir.METRICS_FILE, sweep.RUN_FILE)):
       runs.append(load_run(path, compare))

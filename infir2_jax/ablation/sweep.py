@@ -121,12 +121,17 @@ def pending_runs(runs: list[Run], workdir: str, retry_failed: bool = False) -> l
 
 def run_sweep(spec: SweepSpec, workdir: str, *, parallel: int = 1, threads_per_run: int = 0,
               retry_failed: bool = False, only: list[int] | None = None,
-              command_fn=train_command, log=print) -> dict[str, str]:
+              command_fn=train_command, log=print, deadline: float | None = None,
+              on_finish=None) -> dict[str, str]:
   """Runs the sweep's unfinished runs, `parallel` processes at a time. Returns name -> status.
 
   Args:
     only: indices into expand(spec) to consider (the SLURM array task), None = all.
     command_fn: (spec, run, workdir, python) -> argv; tests replace the trainer with a stub.
+    deadline: time.perf_counter() value past which no run starts and the running ones get
+      SIGTERM (the trainer saves a checkpoint and stops); they stay "partial", to resume.
+    on_finish: called as on_finish(run, run_dir, status, wall_s) when a run's process ends
+      (also when stopped at the deadline: status "partial").
   """
   if parallel < 1:
     raise ValueError(f"--parallel must be >= 1, got {parallel}")
@@ -146,15 +151,30 @@ def run_sweep(spec: SweepSpec, workdir: str, *, parallel: int = 1, threads_per_r
   runnable = dataclasses.replace(spec, base=resolve_base(spec.base))  # from any directory
   active: dict[str, tuple] = {}  # name -> (run, dir, process, start, log file, log offset)
   queue = list(todo)
+  stopping = False
 
   def reap(block: bool):
+    nonlocal stopping
     while active:
+      if deadline is not None and not stopping and time.perf_counter() > deadline:
+        stopping = True
+        queue.clear()
+        for _, _, proc, _, _, _ in active.values():
+          proc.terminate()
       for name, (run, run_dir, proc, t0, logf, offset) in list(active.items()):
         if proc.poll() is None:
           continue
         logf.close()
         del active[name]
+        if stopping and proc.returncode != 0:  # stopped at the deadline: no marker; resumes
+          status[name] = run_status(run_dir)
+          log(f"{name}: stopped at the time budget ({status[name]})")
+          if on_finish is not None:
+            on_finish(run, run_dir, status[name], time.perf_counter() - t0)
+          return
         status[name] = _finish(run, run_dir, proc.returncode, time.perf_counter() - t0, offset)
+        if on_finish is not None:
+          on_finish(run, run_dir, status[name], time.perf_counter() - t0)
         final = rundir.final_metrics(run_dir)
         done = sum(s in ("done", "diverged") for s in status.values())
         log(f"[{done}/{len(runs)}] {name}: {status[name]} in {time.perf_counter() - t0:.0f} s"
@@ -168,6 +188,8 @@ def run_sweep(spec: SweepSpec, workdir: str, *, parallel: int = 1, threads_per_r
   previous = signal.signal(signal.SIGTERM, _raise_interrupt)
   try:
     while queue or active:
+      if deadline is not None and time.perf_counter() > deadline:
+        queue.clear()
       while queue and len(active) < parallel:
         run = queue.pop(0)
         run_dir = _prepare_run_dir(run, workdir)

@@ -125,11 +125,13 @@ def get_recipe(name: "str | Recipe") -> Recipe:
 
 
 def _infir2(name: str, *, scale_format: str = "ue8m0", grad_fmt: str = "e4m3",
-            wgrad_high: bool = False, description: str) -> Recipe:
+            wgrad_high: bool = False, wgrad_dy_high: bool = False,
+            description: str) -> Recipe:
   act = OperandSpec("e4m3", (1, 128), scale_format)      # X, X^T: 1x128 tiles
   grad = OperandSpec(grad_fmt, (1, 128), scale_format)   # dY, dY^T: 1x128 tiles
   weight = OperandSpec("e4m3", (128, 128), scale_format)  # W^T, W: 128x128 blocks
-  wgrad = GemmSpec(HIGH, HIGH) if wgrad_high else GemmSpec(act, grad)
+  wgrad_dy = HIGH if wgrad_dy_high else grad
+  wgrad = GemmSpec(HIGH, HIGH) if wgrad_high else GemmSpec(act, wgrad_dy)
   return Recipe(name, GemmSpec(act, weight), GemmSpec(grad, weight), wgrad, description)
 
 
@@ -153,5 +155,10 @@ for _r in (
             description="infir2 with E5M2 gradients (dY) in dgrad and wgrad"),
     _infir2("infir2_bf16_wgrad", wgrad_high=True,
             description="infir2 with the weight-gradient GEMM kept in bf16"),
+    # The one operand where infir2's E4M3 flushes most nonzero values to zero (the wgrad's
+    # dY^T: 1x128 tiles along tokens); everything else, dgrad's dY included, stays infir2.
+    _infir2("infir2_wgrad_dy_bf16", wgrad_dy_high=True,
+            description="infir2 with only the weight-gradient GEMM's dY operand in bf16 "
+            "(isolates the wgrad dY underflow)"),
 ):
   register_recipe(_r)
