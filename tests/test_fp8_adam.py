@@ -43,7 +43,7 @@ def real_like_gradients(shape, rng):
 
 def run_steps(kernel, params, grads):
   """(directions, state) after each step of scale_by_adam_stored(fp8, kernel)."""
-  tx = moments.scale_by_adam_stored(B1, B2, EPS, moments="fp8", kernel=kernel)
+  tx = fp8_adam.scale_by_adam_fp8(B1, B2, EPS, kernel=kernel)
   state, update, out = tx.init(params), jax.jit(tx.update), []
   for g in grads:
     direction, state = update(g, state, params)
@@ -97,7 +97,7 @@ def test_one_pass_state_is_the_reference_state_and_restores_across(tmp_path, pro
   one-pass optimizer, which goes on exactly as the reference does."""
   params, grads, want = problem
   ref_tx = moments.scale_by_adam_stored(B1, B2, EPS, moments="fp8")
-  new_tx = moments.scale_by_adam_stored(B1, B2, EPS, moments="fp8", kernel="jnp")
+  new_tx = fp8_adam.scale_by_adam_fp8(B1, B2, EPS, kernel="jnp")
   spec = lambda tx: jax.tree.map(lambda x: (x.shape, x.dtype), jax.eval_shape(tx.init, params))
   assert spec(ref_tx) == spec(new_tx)
   path = tmp_path / "ckpt"
@@ -192,7 +192,7 @@ def test_pallas_update_runs_per_shard_with_the_reference_numbers_on_8_devices():
             "bias": rng.standard_normal((77,)).astype(np.float32)}
   grads = [{k: hard_gradients(p.shape, rng) for k, p in params.items()} for _ in range(2)]
   want = run_steps("reference", params, grads)[-1]
-  tx = moments.scale_by_adam_stored(B1, B2, EPS, moments="fp8", kernel="pallas")
+  tx = fp8_adam.scale_by_adam_fp8(B1, B2, EPS, kernel="pallas")
   shard = {k: NamedSharding(mesh, s) for k, s in specs.items()}
   state_shardings = optax.tree_map_params(tx, parallel.state.fit_sharding,
                                           jax.eval_shape(tx.init, params), shard,

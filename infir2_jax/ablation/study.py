@@ -26,48 +26,14 @@ import tempfile
 import time
 
 from infir2_jax.ablation import results as results_lib
+from infir2_jax.ablation import study_report
 from infir2_jax.ablation import sweep
-from infir2_jax.ablation.grid import (
-    Run, SweepSpec, check_runs, expand, spec_from_config, train_command)
-from infir2_jax.config import get_config_dict
-from infir2_jax.errors import UserError
+from infir2_jax.ablation.grid import Run, SweepSpec, check_runs, expand, train_command
+from infir2_jax.ablation.study_config import StudyError, load_study
 from infir2_jax.train import rundir
 
-STUDY_DEFAULTS = {"parallel": 1, "threads_per_run": 0}
 FINISHED = ("done", "diverged")
 ATTEMPTS_FILE = "study_attempts.json"  # WORKDIR/<run>/: wall times of attempts stopped early  # a diverged run is a result (the report lists it), not retried
-
-
-class StudyError(UserError, ValueError):
-  """A study that cannot run as asked (another grid's results, a bad budget)."""
-
-
-def load_study(path: str) -> tuple[SweepSpec, dict]:
-  """A study config file -> (its grid as a SweepSpec, its `study` settings)."""
-  config = get_config_dict(path)
-  settings = dict(STUDY_DEFAULTS)
-  if "study" in config:
-    extra = config.study.to_dict() if hasattr(config.study, "to_dict") else dict(config.study)
-    unknown = sorted(set(extra) - set(STUDY_DEFAULTS))
-    if unknown:
-      raise StudyError(f"unknown study setting(s) {unknown} in {path}; valid: "
-                       f"{sorted(STUDY_DEFAULTS)}")
-    settings.update(extra)
-    del config["study"]
-  spec = spec_from_config(config)
-  for run in expand(spec):
-    _check_telemetry_is_logged(dict(run.overrides), run.name)
-  return spec, settings
-
-
-def _check_telemetry_is_logged(overrides: dict, name: str) -> None:
-  """The trainer writes telemetry on log steps only: any other period loses it silently."""
-  every = overrides.get("precision.telemetry_every_steps", 0)
-  log_every = overrides.get("log.every_steps", 1)
-  if every and every % log_every:
-    raise StudyError(f"run {name}: precision.telemetry_every_steps={every} is no multiple of "
-                     f"log.every_steps={log_every}, so no telemetry would be written; make it "
-                     "one")
 
 
 def _status(results_dir: str, workdir: str, name: str) -> str:
@@ -274,7 +240,6 @@ def main(argv=None) -> None:
                        command=command)
     report_dir = parent if F.report_dir is None else F.report_dir
     if report_dir:
-      from infir2_jax.ablation import study_report  # pylint: disable=g-import-not-at-top
       print(f"wrote {study_report.build(F.results, report_dir, study=F.study)}")
     failed = sorted(n for n, st in status.items() if st == "failed")
     if failed:   # crashed (not diverged, not stopped at the budget): their train.log says why

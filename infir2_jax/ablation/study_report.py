@@ -15,8 +15,10 @@ import os
 
 import numpy as np
 
+from infir2_jax.ablation import grid
 from infir2_jax.ablation import report
 from infir2_jax.ablation import statistics
+from infir2_jax.ablation import study_config
 from infir2_jax.ablation import sweep
 from infir2_jax.train import rundir
 
@@ -133,8 +135,7 @@ def build(results_dir: str, out_dir: str, study: str = "") -> str:
   """Writes OUT_DIR/README.md (and report.md, plots, runs.csv); returns the README's path."""
   record = rundir.read_json(os.path.join(results_dir, sweep.SWEEP_FILE)) or {}
   if not record and study:   # no session yet: the grid from the study config
-    from infir2_jax.ablation import grid, study as study_lib  # pylint: disable=g-import-not-at-top
-    grid_spec = study_lib.load_study(study)[0]
+    grid_spec = study_config.load_study(study)[0]
     record = {"spec": grid_spec.to_dict(), "runs": [r.name for r in grid.expand(grid_spec)]}
   spec = record.get("spec", {})
   s = {**report.DEFAULTS, **spec.get("report", {})}

@@ -194,3 +194,34 @@ def update_leaf(kernel: str, g, m_parts, v_parts, bcs, **hyper):
   back = lambda parts: (from_rows(parts[0], shape), parts[1].reshape(group),
                         parts[2].reshape(group))
   return from_rows(direction, shape), back(new_m), back(new_v)
+
+
+def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                      eps_root: float = 0.0, kernel: str = "jnp"
+                      ) -> optax.GradientTransformation:
+  """moments.scale_by_adam_stored(moments="fp8") with each tensor's step in one pass
+  (kernel "jnp" or "pallas"; "reference" is scale_by_adam_stored itself): the same state
+  tree (a checkpoint of either restores in the other) and the same numbers."""
+  if kernel not in KERNELS:
+    raise ValueError(f"opt.moments_kernel={kernel!r}; valid: {list(KERNELS)}")
+  if kernel == "reference":
+    return moments.scale_by_adam_stored(b1, b2, eps, eps_root, moments="fp8")
+  init_fn = moments.init_of(moments.get_codec("fp8"))
+
+  def update_fn(updates, state, params=None):
+    del params
+    count_inc = optax.safe_increment(state.count)
+    bcs = bias_corrections(b1, b2, count_inc)
+    leaves, treedef = jax.tree.flatten(updates)
+    mu = [jax.tree.leaves(part) for part in state.mu]
+    nu = [jax.tree.leaves(part) for part in state.nu]
+    out = [update_leaf(kernel, g, tuple(p[i] for p in mu),
+                                tuple(p[i] for p in nu), bcs, b1=b1, b2=b2, eps=eps,
+                                eps_root=eps_root)
+           for i, g in enumerate(leaves)]
+    parts = lambda which: tuple(treedef.unflatten([o[which][j] for o in out])
+                                for j in range(3))
+    return (treedef.unflatten([o[0] for o in out]),
+            moments.StoredAdamState(count_inc, parts(1), parts(2)))
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -211,21 +211,15 @@ def init_of(codec: Codec) -> Callable[[Any], StoredAdamState]:
 
 
 def scale_by_adam_stored(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                         eps_root: float = 0.0, moments: str = "bf16",
-                         kernel: str = "reference") -> optax.GradientTransformation:
+                         eps_root: float = 0.0, moments: str = "bf16"
+                         ) -> optax.GradientTransformation:
   """optax.scale_by_adam with its moments stored by the codec `moments` (see the module).
 
-  kernel (fp8 only): "reference" decodes, updates and encodes as written here; "jnp" and
-  "pallas" run the same ops in one pass per tensor (train/fp8_adam.py), bit for bit the same
-  on the CPU, with the same state.
+  This is the reference form: decode, update and encode as written here. For fp8,
+  train/fp8_adam.py's scale_by_adam_fp8 runs the same ops in one pass per tensor, bit for
+  bit the same on the CPU, with the same state.
   """
   codec = get_codec(moments)
-  if kernel != "reference" and moments == "fp8":
-    # Imported here: train/fp8_adam.py imports this module.
-    from infir2_jax.train import fp8_adam  # pylint: disable=import-outside-toplevel
-    return _scale_by_adam_fp8_one_pass(b1, b2, eps, eps_root, kernel, init_of(codec),
-                                       fp8_adam)
-
   init_fn = init_of(codec)
 
   def update_fn(updates, state, params=None):
@@ -240,31 +234,5 @@ def scale_by_adam_stored(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
     return updates, StoredAdamState(count_inc, _encode_tree(codec, mu),
                                     _encode_tree(codec, nu))
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _scale_by_adam_fp8_one_pass(b1, b2, eps, eps_root, kernel, init_fn, fp8_adam
-                                ) -> optax.GradientTransformation:
-  """scale_by_adam_stored(moments="fp8") with each tensor's step in one pass: the same
-  state tree (a checkpoint of either restores in the other) and the same numbers."""
-  if kernel not in fp8_adam.KERNELS:
-    raise ValueError(f"opt.moments_kernel={kernel!r}; valid: {list(fp8_adam.KERNELS)}")
-
-  def update_fn(updates, state, params=None):
-    del params
-    count_inc = optax.safe_increment(state.count)
-    bcs = fp8_adam.bias_corrections(b1, b2, count_inc)
-    leaves, treedef = jax.tree.flatten(updates)
-    mu = [jax.tree.leaves(part) for part in state.mu]
-    nu = [jax.tree.leaves(part) for part in state.nu]
-    out = [fp8_adam.update_leaf(kernel, g, tuple(p[i] for p in mu),
-                                tuple(p[i] for p in nu), bcs, b1=b1, b2=b2, eps=eps,
-                                eps_root=eps_root)
-           for i, g in enumerate(leaves)]
-    parts = lambda which: tuple(treedef.unflatten([o[which][j] for o in out])
-                                for j in range(3))
-    return (treedef.unflatten([o[0] for o in out]),
-            StoredAdamState(count_inc, parts(1), parts(2)))
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from infir2_jax.config import OptConfig
+from infir2_jax.train import fp8_adam
 from infir2_jax.train.moments import scale_by_adam_stored
 
 
@@ -89,9 +90,12 @@ def _adamw(cfg: OptConfig, schedule: optax.Schedule) -> optax.GradientTransforma
   if cfg.moments == "fp32":
     return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                        weight_decay=cfg.weight_decay, mask=decay_mask)
+  if cfg.moments == "fp8":
+    adam = fp8_adam.scale_by_adam_fp8(cfg.b1, cfg.b2, cfg.eps, kernel=cfg.moments_kernel)
+  else:
+    adam = scale_by_adam_stored(cfg.b1, cfg.b2, cfg.eps, moments=cfg.moments)
   return optax.chain(
-      scale_by_adam_stored(cfg.b1, cfg.b2, cfg.eps, moments=cfg.moments,
-                           kernel=cfg.moments_kernel),
+      adam,
       optax.add_decayed_weights(cfg.weight_decay, decay_mask),
       optax.scale_by_learning_rate(schedule))
 
