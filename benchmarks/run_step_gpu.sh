@@ -8,6 +8,8 @@
 #        fused2 (the fused kernels' configs with ptxas' register report, the fused MLP's
 #        GPU test, then 1.5B at 2 x 8192: infir2 and bf16, scanned and unrolled layers),
 #        pair (1.5B at 2 x 8192: infir2 and bf16 only, profiled: the short re-measure),
+#        rest (the packed attention's GPU tests with both document kernels, then 1.5B at
+#        2 x 8192, profiled: infir2 and bf16 scanned and unrolled, infir2 with FA3 varlen),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
@@ -59,6 +61,14 @@ elif [[ $STAGE == pair ]]; then
     --recipes=infir2,bf16 --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 \
     --variant_timeout_s=200 --deadline_s="$DEADLINE" --profile_dir=/tmp/prof \
     --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -30
+elif [[ $STAGE == rest ]]; then
+  timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_packed_attention.py \
+    2>&1 | tail -6 | tee "$OUT/gpu_tests.log"
+  timeout $((DEADLINE + 120)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
+    --recipes=infir2,bf16,infir2~model.scan_layers=False,bf16~model.scan_layers=False,infir2~model.document_kernel=fa3_varlen \
+    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=200 \
+    --deadline_s="$DEADLINE" --profile_dir=/tmp/prof \
+    --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -40
 elif [[ $STAGE == 7b ]]; then
   timeout $((DEADLINE + 230)) python3 benchmarks/train_step.py --config=configs/7b.py \
     --recipes=bf16,infir2~opt.moments=fp8,infir2,infir2~opt.moments=bf16 \

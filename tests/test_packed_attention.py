@@ -117,10 +117,19 @@ def test_remat_keeps_the_packed_attention_forward(cudnn_traceable, remat, forwar
   assert counts[CUDNN_ATTENTION_FWD] == forwards_per_layer * CFG.num_layers, counts
 
 
+def test_an_unknown_document_kernel_is_refused():
+  with pytest.raises(ValueError, match="model.document_kernel='fa2'.*'fa3_varlen'"):
+    dataclasses.replace(CFG, document_kernel="fa2")
+
+
 @pytest.mark.gpu
-def test_packed_attention_equals_the_dense_reference_on_gpu():
-  """The model with cuDNN's packed layout against XLA's dense segment mask."""
-  cfg = dataclasses.replace(CFG, dtype="bfloat16", max_documents=8)
+@pytest.mark.parametrize("kernel", ["cudnn_packed", "fa3_varlen"])
+def test_packed_attention_equals_the_dense_reference_on_gpu(kernel):
+  """The model with cuDNN's packed layout or FA3's varlen kernel against XLA's dense
+  segment mask."""
+  if kernel == "fa3_varlen":
+    pytest.importorskip("flash_attn3_jax")
+  cfg = dataclasses.replace(CFG, dtype="bfloat16", max_documents=8, document_kernel=kernel)
   tokens = jax.random.randint(jax.random.key(1), (2, 256), 0, cfg.vocab_size)
   seg = jnp.asarray(_random_segments(np.random.default_rng(3), 2, 256, 7))
   params = nn.unbox(Qwen2(cfg).init(jax.random.key(0), tokens)["params"])

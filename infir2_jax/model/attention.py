@@ -127,6 +127,10 @@ class Attention(nn.Module):
       q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, _ = shard_for_cudnn(
           q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, None)
       segment_ids_BxL = nn.with_logical_constraint(segment_ids_BxL, ("batch", None))
+      if self.config.document_kernel == "fa3_varlen":
+        return packed_attention.fa3_varlen(
+            q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
+            q_BxLxHxDh.shape[0] * self.config.max_documents)
       return packed_attention.cudnn_packed(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh,
                                            segment_ids_BxL, self.config.max_documents)
     mask_Bx1xLxL = segment_mask(segment_ids_BxL) if document else None

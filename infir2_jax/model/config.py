@@ -7,6 +7,7 @@ from infir2_jax.errors import ConfigError
 
 
 REMAT_MODES = ("none", "save_dots", "save_dots_fp8", "full")
+DOCUMENT_KERNELS = ("cudnn_packed", "fa3_varlen")   # valid values of model.document_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,11 @@ class ModelConfig:
   # documents stops with an error naming this key (benchmarks/attention.py: 2 x 8192 tokens,
   # 8 documents per row, fwd+bwd 0.82 ms at 16, 1.63 ms at 64; dense mask 6.35 ms).
   max_documents: int = 16
+  # The GPU kernel of the document mask's packed attention: "cudnn_packed" (cuDNN's packed
+  # layout through jax) or "fa3_varlen" (FlashAttention-3's varlen kernel, flash-attn3-jax,
+  # Hopper, head size 128; one device: its custom call has no sharding rule). Both attend
+  # within each run of segment ids, bounded by max_documents per row.
+  document_kernel: str = "cudnn_packed"
   # activation recomputation per layer: "none" | "save_dots" (keep matmul outputs) |
   # "save_dots_fp8" (and FP8 recipes' quantized backward operands) | "full" (keep nothing)
   remat: str = "none"
@@ -82,6 +88,9 @@ class ModelConfig:
       raise ConfigError(f"model.max_documents must be >= 1, got {self.max_documents}")
     if self.loss_chunk < 0:
       raise ConfigError(f"model.loss_chunk must be >= 0 (0: no chunking), got {self.loss_chunk}")
+    if self.document_kernel not in DOCUMENT_KERNELS:
+      raise ConfigError(f"model.document_kernel={self.document_kernel!r}; valid: "
+                        f"{', '.join(map(repr, DOCUMENT_KERNELS))}")
     if self.attention_mask not in ("document", "causal"):
       raise ConfigError(f"model.attention_mask={self.attention_mask!r}; valid: 'document', "
                         "'causal'")
