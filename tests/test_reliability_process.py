@@ -210,7 +210,7 @@ def test_fault_injection_script_sigkills_lose_nothing(tmp_path):
   used to lack the steps its writer had not flushed, and to keep torn files)."""
   out = str(tmp_path / "report.json")
   result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts", "fault_injection.py"), "--kills=2",
+      [sys.executable, os.path.join(ROOT, "scripts", "fault_injection.py"), "--families=kills", "--kills=2",
        "--during_save=0.5", "--damage=none", f"--workdir={tmp_path / 'runs'}",
        f"--out={out}", *_args(steps=12, **{"checkpoint.every_steps": 4,
                                            "eval.every_steps": 8})],
