@@ -418,7 +418,7 @@ def family_numerics(ctx):
                 f"--workdir={workdir}"])
   # At step 5, the first after checkpoint 4, the advice must say that checkpoint diverges;
   # later (step 5's update finite, step 6 NaN), it is the last good checkpoint.
-  at = re.search(r"at step (\d+)", r["output"])
+  at = re.search(r"^error: .*? at step (\d+)", r["output"], re.M)   # the error's step
   outcome, detail = judge_failure(r, r"checkpoint 4 itself diverges on step 5"
                                   if at and at.group(1) == "5" else
                                   r"Last good checkpoint: step 4 ")
