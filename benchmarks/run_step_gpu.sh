@@ -12,6 +12,8 @@
 #        2 x 8192, profiled: infir2 and bf16 scanned and unrolled, infir2 with FA3 varlen),
 #        layout (the fused MLP's GPU test, then 1.5B at 2 x 8192, profiled: infir2 and bf16
 #        unrolled, infir2 unrolled saving the FP8 residuals, infir2 scanned),
+#        unrolled (1.5B at 2 x 8192, profiled, all unrolled: bf16, infir2, infir2 saving the
+#        FP8 residuals, that with Adam's moments in FP8: the layout fix and memory for speed),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
@@ -77,6 +79,13 @@ elif [[ $STAGE == layout ]]; then
     | tee "$OUT/gpu_tests.log"
   timeout $((DEADLINE + 120)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
     --recipes=infir2~model.scan_layers=False,bf16~model.scan_layers=False,infir2~model.scan_layers=False~model.remat=save_dots_fp8,infir2 \
+    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=200 \
+    --deadline_s="$DEADLINE" --profile_dir=/tmp/prof \
+    --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -40
+elif [[ $STAGE == unrolled ]]; then
+  U=model.scan_layers=False
+  timeout $((DEADLINE + 400)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
+    --recipes=bf16~$U,infir2~$U,infir2~$U~model.remat=save_dots_fp8,infir2~$U~model.remat=save_dots_fp8~opt.moments=fp8 \
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=200 \
     --deadline_s="$DEADLINE" --profile_dir=/tmp/prof \
     --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -40
