@@ -178,3 +178,23 @@ def test_scan_layers_runs_fp8_recipes_and_refuses_per_layer_precision():
   with pytest.raises(ValueError, match="scan_layers.*layers.*self_attn/q_proj"):
     Qwen2(dataclasses.replace(cfg, scan_layers=True), per_layer).apply({"params": params},
                                                                         tokens)
+
+
+def test_1p5b_fast_variant_is_the_measured_fastest_step():
+  """configs/1p5b.py:fast changes exactly what the benchmark's fastest infir2 row changed
+  (unrolled layers, FP8 residuals kept), and that row is in the committed result."""
+  import json
+  from infir2_jax.config import load_config
+  base = dataclasses.asdict(load_config(os.path.join(ROOT, "configs", "1p5b.py")))
+  fast = dataclasses.asdict(load_config(os.path.join(ROOT, "configs", "1p5b.py") + ":fast"))
+  flat = lambda d, p="": ({k2: v2 for k, v in d.items() for k2, v2 in flat(v, p + k + ".").items()}
+                          if isinstance(d, dict) else {p[:-1]: d})
+  base, fast = flat(base), flat(fast)
+  changed = {k: fast[k] for k in fast if fast[k] != base.get(k)}
+  assert changed == {"model.scan_layers": False, "model.remat": "save_dots_fp8"}
+  with open(os.path.join(ROOT, "benchmarks", "results",
+                         "train_step_h200_1p5b_s16_8k_unrolled.json")) as f:
+    rows = {r["label"]: r for r in json.load(f)["variants"] if "error" not in r}
+  label = next(l for l in rows if l.startswith("infir2~")
+               and set(l.split("~")[1:]) == {f"{k}={v}" for k, v in changed.items()})
+  assert rows[label]["median_step_s"] == min(r["median_step_s"] for r in rows.values())
