@@ -121,6 +121,7 @@ def run_shape_set(name, shapes, args, device_or_none, save=lambda partial: None)
     abstract_state = jax.eval_shape(tx.init, abstract_params)
     step = jax.jit(update, donate_argnums=(0, 2))
     t0 = time.perf_counter()
+    print(f"[{name}] {variant}: compiling ({n_params / 1e9:.2f}B params)", flush=True)
     if args.aot_gpu:
       rep = jax.sharding.SingleDeviceSharding(device_or_none)
       on = lambda tree: jax.tree.map(
@@ -154,7 +155,36 @@ def run_shape_set(name, shapes, args, device_or_none, save=lambda partial: None)
                                                          jax.tree.leaves(fingerprints[v]))))
         for v in fp8[1:]}
     print(f"[{name}] bit-identical: {out['bit_identical_to_' + fp8[0]]}", flush=True)
+    if args.tiny:  # whole arrays: say how far apart, not only whether
+      out["differences_to_" + fp8[0]] = {
+          v: _differences(ref, fingerprints[v]) for v in fp8[1:]}
+      print(f"[{name}] differences: {out['differences_to_' + fp8[0]]}", flush=True)
   return out
+
+
+def _differences(ref, other) -> dict:
+  """How two trees of arrays differ: arrays and elements that differ, and the largest
+  distance in units in the last place (float32 bits; fp8 codes for one-byte arrays)."""
+  import numpy as np
+  arrays = elements = max_ulp = 0
+  for a, b in zip(_leaves(ref), _leaves(other)):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.itemsize == 1:
+      ia, ib = a.view(np.int8).astype(np.int64), b.view(np.int8).astype(np.int64)
+    else:
+      ia, ib = (x.astype(np.float32).view(np.int32).astype(np.int64) for x in (a, b))
+    low = -2 ** (8 * min(a.dtype.itemsize, 4) - 1)  # sign-magnitude -> ordered integers
+    ia, ib = (np.where(x < 0, low - x, x) for x in (ia, ib))
+    diff = np.abs(ia - ib)
+    n = int(np.count_nonzero(diff))
+    arrays, elements = arrays + bool(n), elements + n
+    max_ulp = max(max_ulp, int(diff.max(initial=0)))
+  return {"arrays": arrays, "elements": elements, "max_ulp": max_ulp}
+
+
+def _leaves(tree):
+  import jax
+  return jax.tree.leaves(tree)
 
 
 def _time_variant(step, tx, abstract_params, grad_dtype, args, fingerprints, variant):
@@ -177,13 +207,17 @@ def _time_variant(step, tx, abstract_params, grad_dtype, args, fingerprints, var
     grads = {k: grad(next(keys), x.shape) for k, x in abstract_params.items()}
     return params, grads, tx.init(params)
 
-  params, grads, opt_state = make_inputs()
+  t0 = time.perf_counter()
+  params, grads, opt_state = jax.block_until_ready(make_inputs())
+  print(f"  {variant}: inputs on the device in {time.perf_counter() - t0:.1f} s", flush=True)
   for _ in range(args.steps):
     params, opt_state = step(params, grads, opt_state)
   if variant.startswith("fp8_"):
     result = (params, opt_state)
     fingerprints[variant] = jax.device_get(result if args.tiny else _fingerprint(result))
   jax.block_until_ready((params, opt_state))
+  print(f"  {variant}: {args.steps} updates and the fingerprint in "
+        f"{time.perf_counter() - t0:.1f} s", flush=True)
   t0 = time.perf_counter()
   for _ in range(args.iters):
     params, opt_state = step(params, grads, opt_state)

@@ -12,6 +12,6 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/env.txt"
 CONFIGS=${1:-configs/1p5b.py,configs/7b.py}
 python3 benchmarks/moments_update.py --tiny --steps=2 --iters=3 --out="$OUT/moments_update_tiny.json" 2>&1 \
-  | grep -v "^W0000\|^I0000" | tail -8 | tee "$OUT/tiny.log"
+  | grep --line-buffered -v "^W0000\|^I0000" | tail -8 | tee "$OUT/tiny.log"
 python3 benchmarks/moments_update.py --configs="$CONFIGS" --steps=2 --iters=10 \
-  --out="$OUT/moments_update_h200.json" 2>&1 | grep -v "^W0000\|^I0000" | tee "$OUT/bench.log" | tail -30
+  --out="$OUT/moments_update_h200.json" 2>&1 | grep --line-buffered -v "^W0000\|^I0000" | tee "$OUT/bench.log" | tail -30

@@ -227,3 +227,22 @@ def test_moments_update_benchmark_runs_tiny_on_cpu(tmp_path):
   assert (shape_set["variants"]["fp8_jnp"]["bytes_moved"]
           < 0.6 * shape_set["variants"]["optax_fp32"]["bytes_moved"])
   assert out.exists() and "git_commit" in results
+  assert shape_set["differences_to_fp8_reference"]["fp8_pallas"] == {
+      "arrays": 0, "elements": 0, "max_ulp": 0}
+
+
+def test_moments_update_benchmark_measures_differences_in_ulps():
+  import sys  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+  import moments_update  # pylint: disable=import-outside-toplevel
+  a = {"w": np.array([1.0, -2.0, 0.0], np.float32), "q": np.array([3, -5], np.int8)}
+  b = {"w": np.array([np.nextafter(np.float32(1), np.float32(2)), -2.0, 0.0], np.float32),
+       "q": np.array([3, -5], np.int8)}
+  assert moments_update._differences(a, a) == {"arrays": 0, "elements": 0, "max_ulp": 0}
+  assert moments_update._differences(a, b) == {"arrays": 1, "elements": 1, "max_ulp": 1}
+  # across zero: -min_subnormal and +min_subnormal are 2 ulps apart (through +-0)
+  tiny = np.float32(1e-45)
+  c = {"w": np.array([tiny, -2.0, 0.0], np.float32), "q": a["q"]}
+  d = {"w": np.array([-tiny, -2.0, 0.0], np.float32), "q": np.array([3, -4], np.int8)}
+  assert moments_update._differences(c, d) == {"arrays": 2, "elements": 2, "max_ulp": 2}
