@@ -131,8 +131,28 @@ def block_rows(n: int, most: int = BLOCK_ROWS) -> int:
 def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=BLOCK_ROWS,
                   interpret=None, **hyper):
   """adam_rows as a Pallas kernel: one program per block of R rows (groups)."""
+  r = block_rows(g_NxG.shape[0], most_rows)
+  args = (g_NxG, *m_parts, *v_parts, bcs)
+  if interpret is None:   # Triton where it is lowered for CUDA (also ahead of time, on a CPU)
+    out = jax.lax.platform_dependent(
+        *args, cuda=_jitted_kernel(r, False, tuple(sorted(hyper.items()))),
+        default=functools.partial(_kernel_call, r, True, hyper))
+  else:
+    out = _kernel_call(r, interpret, hyper, *args)
+  return out[0], tuple(out[1:4]), tuple(out[4:7])
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_kernel(r: int, interpret: bool, hyper: tuple):
+  """_kernel_call as one jitted function: params of one shape (the same projection of every
+  unrolled layer) share its jaxpr, so a step lowers the Triton kernel once per shape, not
+  once per param (338 params at 1.5B unrolled). Only the CUDA branch: on the CPU the
+  interpreted kernel stays inlined (a nested jit there moves the direction by an ulp)."""
+  return jax.jit(functools.partial(_kernel_call, r, interpret, dict(hyper)))
+
+
+def _kernel_call(r: int, interpret: bool, hyper: dict, g_NxG, qm, am, km, qv, av, kv, bcs):
   n = g_NxG.shape[0]
-  r = block_rows(n, most_rows)
   lanes_spec = pl.BlockSpec((r, moments.GROUP), lambda i: (i, 0))
   group_spec = pl.BlockSpec((r, 1), lambda i: (i, 0))
   scalar_spec = pl.BlockSpec((2,), lambda i: (0,))
@@ -147,8 +167,8 @@ def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=BLOCK_ROWS,
     for ref, x in zip((qm_out, am_out, km_out, qv_out, av_out, kv_out), (*new_m, *new_v)):
       ref[...] = x
 
-  parts_shapes = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in m_parts)
-  call = lambda interpret: pl.pallas_call(
+  parts_shapes = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (qm, am, km))
+  return pl.pallas_call(
       kernel, grid=(n // r,),
       in_specs=[lanes_spec, *parts_specs, *parts_specs, scalar_spec],
       out_specs=[lanes_spec, *parts_specs, *parts_specs],
@@ -156,13 +176,7 @@ def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=BLOCK_ROWS,
                  *parts_shapes],
       # The moments are rewritten in place (the train step donates the state).
       input_output_aliases={1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6},
-      interpret=interpret, name="fp8_adam")
-  args = (g_NxG, *m_parts, *v_parts, bcs)
-  if interpret is None:   # Triton where it is lowered for CUDA (also ahead of time, on a CPU)
-    out = jax.lax.platform_dependent(*args, cuda=call(False), default=call(True))
-  else:
-    out = call(interpret)(*args)
-  return out[0], tuple(out[1:4]), tuple(out[4:7])
+      interpret=interpret, name="fp8_adam")(g_NxG, qm, am, km, qv, av, kv, bcs)
 
 
 def _per_shard(fn, n: int):
