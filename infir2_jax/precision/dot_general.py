@@ -55,6 +55,9 @@ class GemmPlan:
   compute_dtype: np.dtype   # of unquantized (OperandSpec.fmt None) operands
   telemetry: bool
   has_sink: bool
+  # w arrives as stored by Flax Dense, [K, N] (`w` below is then w_KxN): both weight layouts
+  # come from one read of it, and wgrad writes dW as [K, N], with no transpose either way.
+  w_stored_kxn: bool = False
 
 
 def quantize_operand(x: jax.Array, spec: OperandSpec, compute_dtype=None):
@@ -133,18 +136,33 @@ def quantize_weight_both(plan: GemmPlan, w_KxN, spec_t: OperandSpec, spec: Opera
   q, s, qt = kernels.quantize_blocks(w_KxN, fmt=spec.fmt, scale_format=spec.scale_format,
                                      with_transpose=True)
   w = QTensor(q, s, resolve_tile(spec.tile, w_KxN.shape), spec.scale_format)
-  return w.transpose(), w
+  return QTensor(qt, s.T, resolve_tile(spec_t.tile, qt.shape), spec.scale_format), w
 
 
 def _dtype(name, default):
   return np.dtype(name) if name is not None else default
 
 
-def _fprop(plan: GemmPlan, x_MxK, w_NxK, xt_spec=None):
+def _weight_operands(plan: GemmPlan, w, dgrad_spec):
+  """(W^T [N, K] per fprop's rhs spec, W [K, N] per dgrad_spec or None): from w [N, K], or
+  from w [K, N] in one read when plan.w_stored_kxn."""
+  r = plan.recipe
+  if plan.w_stored_kxn:
+    return quantize_weight_both(plan, w, r.fprop.rhs, dgrad_spec or r.dgrad.rhs)
+  wq = _quantize_weight(plan, w, r.fprop.rhs)
+  return wq, (None if dgrad_spec is None
+              else transposed_operand(wq, w, dgrad_spec, plan.compute_dtype))
+
+
+def _w_NxK(plan: GemmPlan, w):
+  return w.T if plan.w_stored_kxn else w
+
+
+def _fprop(plan: GemmPlan, x_MxK, w, xt_spec=None, dgrad_spec=None):
   spec = plan.recipe.fprop
   with jax.named_scope("fp8_fprop"):
     xq, xt = quantize_rows(plan, x_MxK, spec.lhs, xt_spec)
-    wq = _quantize_weight(plan, w_NxK, spec.rhs)
+    wq, w_KxN = _weight_operands(plan, w, dgrad_spec)
     y_MxN = gemm.matmul_nt(xq, wq, out_dtype=_dtype(spec.out_dtype, plan.out_dtype),
                            backend=plan.backend, fast_accum=spec.fast_accum,
                            isolate_kernel_output=True)  # saved under remat: see matmul_nt
@@ -152,27 +170,28 @@ def _fprop(plan: GemmPlan, x_MxK, w_NxK, xt_spec=None):
   fstats = None
   if plan.telemetry:
     with jax.named_scope("fp8_telemetry"):
-      fstats = jnp.stack([quant_error.operand_stats(x_MxK, xq), quant_error.operand_stats(w_NxK, wq)])
-  return y_MxN, xq, xt, wq, fstats
+      fstats = jnp.stack([quant_error.operand_stats(x_MxK, xq),
+                          quant_error.operand_stats(_w_NxK(plan, w), wq)])
+  return y_MxN, xq, xt, w_KxN, fstats
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_matmul(plan: GemmPlan, x_MxK, w_NxK, sink):
+def _fp8_matmul(plan: GemmPlan, x_MxK, w, sink):
   del sink
-  y_MxN, _, _, _, fstats = _fprop(plan, x_MxK, w_NxK)
+  y_MxN, _, _, _, fstats = _fprop(plan, x_MxK, w)
   return (y_MxN, fstats) if plan.telemetry else y_MxN
 
 
-def _fp8_matmul_fwd(plan: GemmPlan, x_MxK, w_NxK, sink):
+def _fp8_matmul_fwd(plan: GemmPlan, x_MxK, w, sink):
   r = plan.recipe
-  # X^T for wgrad (tiles along tokens) is made with X's fprop quantization: one read on GPU.
-  y_MxN, xq, xt_KxM, wq, fstats = _fprop(plan, x_MxK, w_NxK, xt_spec=r.wgrad.lhs)
-  with jax.named_scope("fp8_residuals"):
-    w_KxN = transposed_operand(wq, w_NxK, r.dgrad.rhs, plan.compute_dtype)   # N last
+  # X^T for wgrad (tiles along tokens) is made with X's fprop quantization: one read on GPU;
+  # W [K, N] for dgrad (N last) with W^T's, reused or from the same read.
+  y_MxN, _, xt_KxM, w_KxN, fstats = _fprop(plan, x_MxK, w, xt_spec=r.wgrad.lhs,
+                                           dgrad_spec=r.dgrad.rhs)
   bstats = None
   if plan.has_sink:
     with jax.named_scope("fp8_telemetry"):
-      bstats = jnp.stack([quant_error.operand_stats(w_NxK.T, w_KxN),
+      bstats = jnp.stack([quant_error.operand_stats(_w_NxK(plan, w).T, w_KxN),
                           quant_error.operand_stats(x_MxK.T, xt_KxM)])
   out = (y_MxN, fstats) if plan.telemetry else y_MxN
   xt_KxM, w_KxN = checkpoint_name((xt_KxM, w_KxN), FP8_RESIDUALS)
@@ -187,16 +206,17 @@ def _fp8_matmul_bwd(plan: GemmPlan, res, g):
     dyq, dyt_NxM = quantize_rows(plan, dy_MxN, r.dgrad.lhs, r.wgrad.rhs)
     dx_MxK = gemm.matmul_nt(dyq, w_KxN, out_dtype=_dtype(r.dgrad.out_dtype, plan.x_dtype),
                             backend=plan.backend, fast_accum=r.dgrad.fast_accum)
-  with jax.named_scope("fp8_wgrad"):
-    dw_NxK = gemm.matmul_nt(dyt_NxM, xt_KxM, out_dtype=_dtype(r.wgrad.out_dtype, plan.w_dtype),
-                            backend=plan.backend, fast_accum=r.wgrad.fast_accum)
+  with jax.named_scope("fp8_wgrad"):  # NT(a, b)^T = NT(b, a): dW in w's own layout
+    a, b = (xt_KxM, dyt_NxM) if plan.w_stored_kxn else (dyt_NxM, xt_KxM)
+    dw = gemm.matmul_nt(a, b, out_dtype=_dtype(r.wgrad.out_dtype, plan.w_dtype),
+                        backend=plan.backend, fast_accum=r.wgrad.fast_accum)
   sink_ct = None
   if plan.has_sink:
     with jax.named_scope("fp8_telemetry"):
       dgrad = jnp.stack([quant_error.operand_stats(dy_MxN, dyq), bstats[0]])
       wgrad = jnp.stack([bstats[1], quant_error.operand_stats(dy_MxN.T, dyt_NxM)])
       sink_ct = jnp.stack([dgrad, wgrad])
-  return dx_MxK.astype(plan.x_dtype), dw_NxK.astype(plan.w_dtype), sink_ct
+  return dx_MxK.astype(plan.x_dtype), dw.astype(plan.w_dtype), sink_ct
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
@@ -230,12 +250,18 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=No
                           sink=None):
   """The FP8 dot_general of `recipe`; with telemetry returns (y, fprop_stats [2, 3])."""
   x_MxK, w_NxK, out_shape = canonicalize(lhs, rhs, dimension_numbers)
+  # A kernel contracted on its leading axes (Flax Dense [K, N], DenseGeneral [K..., N...])
+  # enters as stored, reshaped to [K, N]: W^T is made inside, from the same read as W, and
+  # dW leaves as [K, N] (no transposes for XLA to run either way).
+  rc = tuple(d % rhs.ndim for d in dimension_numbers[0][1])
+  stored_kxn = rc == tuple(range(len(rc)))
   out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
                        else jnp.result_type(lhs.dtype, rhs.dtype))
   plan = GemmPlan(recipe, gemm.check_backend(backend), out_dtype, np.dtype(lhs.dtype),
                np.dtype(rhs.dtype), np.dtype(jnp.result_type(lhs.dtype, rhs.dtype)),
-               telemetry, telemetry and sink is not None)
-  out = _fp8_matmul(plan, x_MxK, w_NxK, sink)
+               telemetry, telemetry and sink is not None, stored_kxn)
+  w = rhs.reshape(w_NxK.shape[::-1]) if stored_kxn else w_NxK
+  out = _fp8_matmul(plan, x_MxK, w, sink)
   if telemetry:
     return checkpoint_name(out[0], FP8_GEMM_OUT).reshape(out_shape), out[1]
   return checkpoint_name(out, FP8_GEMM_OUT).reshape(out_shape)
