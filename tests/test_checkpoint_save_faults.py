@@ -1,8 +1,11 @@
 """A checkpoint save that fails stops the run at once with one clear line (issue 36, item 5):
 a file-size limit (EFBIG), a read-only checkpoints/ folder; never a hang (orbax waited 300 s
-for the folder it could not make), never training on past the failed save."""
+for the folder it could not make), never training on past the failed save; and none of
+orbax's logged tracebacks from its save threads before that line (--debug shows them)."""
 
+import logging
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -12,9 +15,10 @@ import jax
 import numpy as np
 import pytest
 
+from infir2_jax import errors
 from infir2_jax.config import CheckpointConfig
 from infir2_jax.train import checkpoint as checkpoint_lib
-from infir2_jax.train import rundir
+from infir2_jax.train import integrity, rundir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +42,15 @@ class _FileSizeLimit:
     resource.setrlimit(resource.RLIMIT_FSIZE, self.old)
 
 
-def test_a_background_save_past_the_file_size_limit_is_seen_by_the_next_poll(tmp_path):
+def _orbax_errors(caplog):
+  return [r for r in caplog.records if r.levelno >= logging.ERROR
+          and f"{os.sep}orbax{os.sep}" in r.pathname]
+
+
+def test_a_background_save_past_the_file_size_limit_is_seen_by_the_next_poll(tmp_path, caplog,
+                                                                               monkeypatch):
+  monkeypatch.delenv(errors.DEBUG_ENV, raising=False)
+  caplog.set_level(logging.INFO)
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path), CheckpointConfig(), owner=True)
   ckpt.save(1, jax.device_put(_state()), None)
   ckpt.wait()
@@ -56,6 +68,39 @@ def test_a_background_save_past_the_file_size_limit_is_seen_by_the_next_poll(tmp
   ckpt.close()   # reported once: closing does not raise it again
   assert rundir.checkpoint_steps(str(tmp_path)) == [1]
   assert not [d for d in os.listdir(ckpt.directory) if rundir.ORBAX_TMP_MARK in d]
+  # orbax's tracebacks from its save threads (future.py, async_checkpointer.py, ...) were
+  # dropped: the SaveFailed line is what the user sees
+  assert not _orbax_errors(caplog), [r.getMessage()[:200] for r in _orbax_errors(caplog)]
+  captured = checkpoint_lib._QUIET_SAVES.captured   # pylint: disable=protected-access
+  assert captured and 27 in [code for _, code in captured], captured   # EFBIG, kept
+  assert not checkpoint_lib._QUIET_SAVES.active   # pylint: disable=protected-access
+
+
+def _record(level, pathname):
+  return logging.LogRecord("absl", level, pathname, 1, "boom", None, None)
+
+
+def test_only_orbax_errors_during_a_save_are_dropped(tmp_path, monkeypatch):
+  """The filter is scoped: other code's errors, orbax's warnings, orbax's errors while no save
+  is in flight, and everything under --debug / INFIR2_DEBUG=1 still log."""
+  monkeypatch.delenv(errors.DEBUG_ENV, raising=False)
+  orbax_file = os.path.join(checkpoint_lib._ORBAX_DIR,   # pylint: disable=protected-access
+                            "checkpoint", "_src", "futures", "future.py")
+  ours = os.path.join(ROOT, "infir2_jax", "train", "trainer.py")
+  quiet = checkpoint_lib._QUIET_SAVES   # pylint: disable=protected-access
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), CheckpointConfig(), owner=True)
+  assert quiet.filter(_record(logging.ERROR, orbax_file))   # no save yet
+  ckpt.save(1, jax.device_put(_state(1)), None)
+  assert not quiet.filter(_record(logging.ERROR, orbax_file))
+  assert quiet.filter(_record(logging.ERROR, ours))
+  assert quiet.filter(_record(logging.WARNING, orbax_file))
+  monkeypatch.setenv(errors.DEBUG_ENV, "1")
+  assert quiet.filter(_record(logging.ERROR, orbax_file))
+  monkeypatch.delenv(errors.DEBUG_ENV)
+  ckpt.wait()   # whole: orbax's errors are not about a save of ours any more
+  assert quiet.filter(_record(logging.ERROR, orbax_file))
+  ckpt.close()
+  assert not quiet.active
 
 
 def _read_only(path):
@@ -132,3 +177,51 @@ def test_the_trainer_stops_at_a_failed_save_with_one_line(tmp_path, fault):
   assert steps == [2]
   trained = max(r["step"] for r in rundir.read_metrics(workdir) if "loss" in r)
   assert trained <= 8, trained   # stopped at the failed save (4), not at the end (40)
+  # none of orbax's logged tracebacks (absl's `E1202 ... future.py:387]` lines) before it
+  assert not re.search(r"^[EF]\d{4} .*\.py:\d+\]", result.stderr, re.M), result.stderr[:3000]
+
+
+_TINY = ["--config.batch_size=8", "--config.seq_len=64", "--config.model.hidden_size=128",
+         "--config.model.intermediate_size=256", "--config.model.num_layers=2",
+         "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
+         "--config.opt.warmup_steps=1", "--config.eval.every_steps=0",
+         "--config.log.progress_bar=False", "--config.log.tensorboard=False",
+         "--config.checkpoint.every_steps=2"]
+
+
+def _under_file_size_limit(limit, command):
+  """`command` run under RLIMIT_FSIZE=limit with SIGXFSZ ignored (writes fail with EFBIG): a
+  launcher sets both and execs it (no preexec_fn: this process runs JAX's threads)."""
+  launch = ("import os, resource, signal, sys; "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])")
+  return [sys.executable, "-c", launch, *command]
+
+
+@pytest.mark.slow
+def test_a_save_past_the_file_size_limit_shows_only_the_error_line(tmp_path):
+  """`python -m infir2_jax.train` under `ulimit -f 64`: stderr has our one `error:` line and
+  none of orbax's logged tracebacks (future.py, async_checkpointer.py,
+  checkpoint_manager.py); the checkpoint before the failed save still restores."""
+  workdir = str(tmp_path / "run")
+  env = {k: v for k, v in os.environ.items() if k != errors.DEBUG_ENV}
+  env.update(XLA_FLAGS="", JAX_PLATFORMS="cpu", INFIR2_COMPILATION_CACHE="")
+  train = [sys.executable, "-m", "infir2_jax.train", *_TINY, f"--workdir={workdir}"]
+  first = subprocess.run([*train, "--config.steps=2"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=280)
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert rundir.checkpoint_steps(workdir) == [2]
+  result = subprocess.run(_under_file_size_limit(64 << 10, [*train, "--config.steps=8"]),
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr, result.stderr[:3000]
+  assert not re.search(r"^[EF]\d{4} .*\.py:\d+\]", result.stderr, re.M), result.stderr[:3000]
+  error = [l for l in result.stderr.splitlines() if l.startswith("error: ")]
+  assert len(error) == 1, result.stderr[-3000:]
+  assert error[0].startswith("error: checkpoint 4 could not be saved in "), error[0]
+  assert "file-size limit" in error[0] and "resume from checkpoint 2" in error[0], error[0]
+  assert rundir.checkpoint_steps(workdir) == [2]
+  path = rundir.step_dir(workdir, 2)
+  assert integrity.verify(path)   # checksummed and intact
+  state = checkpoint_lib.read_state(rundir.checkpoint_item(workdir, 2)[0])
+  assert int(state["step"]) == 2

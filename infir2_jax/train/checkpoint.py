@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy as preservation
 
+from infir2_jax import errors
 from infir2_jax.config import CheckpointConfig
 from infir2_jax.data import checkpoint as data_checkpoint
 from infir2_jax.errors import UserError
@@ -44,6 +45,41 @@ class _NoItemMetadataWarning(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_NoItemMetadataWarning())
+
+_ORBAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(ocp.__file__))) + os.sep
+
+
+class _QuietOrbaxSaveErrors(logging.Filter):
+  """Drops orbax's ERROR records (multi-line tracebacks from its save threads: future.py,
+  async_checkpointer.py, checkpoint_manager.py) while a save of ours is in flight or its
+  failure is being reported: that failure is our one SaveFailed line instead. Kept in
+  `captured` (each one's first line and the errno it names), for the SaveFailed to find the
+  cause in. --debug / INFIR2_DEBUG=1 lets them through. Only records from orbax's own files (it
+  logs through absl's logger and the root one); other code's errors always log."""
+
+  KEEP = 20
+
+  def __init__(self):
+    super().__init__()
+    self.active = 0   # Checkpointers with a save in flight, reporting a failure or closing
+    self.captured: list[tuple[str, int | None]] = []  # (first line, errno it names)
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if (not self.active or record.levelno < logging.ERROR
+        or not str(record.pathname).startswith(_ORBAX_DIR) or errors.debug_requested()):
+      return True
+    if len(self.captured) < self.KEEP:  # the text and errno, not the exception (its frames)
+      text = record.getMessage().strip()
+      exc = record.exc_info[1] if record.exc_info else None
+      code = _os_error_code(exc) if exc is not None else None
+      self.captured.append((text.split("\n")[0][:300],
+                            code if code is not None else _os_error_code(RuntimeError(text))))
+    return False
+
+
+_QUIET_SAVES = _QuietOrbaxSaveErrors()
+for _name in ("absl", "", "orbax"):   # absl's, the root logger, orbax's own (stdlib) loggers
+  logging.getLogger(_name).addFilter(_QUIET_SAVES)
 
 
 class SaveFailed(UserError, OSError):
@@ -95,6 +131,15 @@ class Checkpointer:
             create=True, **keep))
     self._state_bytes = None
     self._pending = None  # the step of a save not known to have finished
+    self._quieting = False  # orbax's error records are dropped (_QUIET_SAVES)
+
+  def _quiet_orbax(self, on: bool) -> None:
+    """From a save until it is known to be whole or its failure is raised, and while closing
+    (orbax's close waits for the save again): orbax's error records from the save's threads
+    are dropped; the failure is our one SaveFailed line."""
+    if on != self._quieting:
+      self._quieting = on
+      _QUIET_SAVES.active += 1 if on else -1
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -115,6 +160,9 @@ class Checkpointer:
       items[rundir.RUN_ITEM] = ocp.args.JsonSave(
           {**self.identity, "fingerprint": integrity.state_fingerprint(state)})
     self._pending = step
+    if not _QUIET_SAVES.active:
+      _QUIET_SAVES.captured.clear()  # an earlier save's records: not about this one
+    self._quiet_orbax(True)
     with _TranslateSaveErrors(self, step):
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
       if not self.cfg.async_save and self._primary:  # committed already: checksum it now
@@ -308,15 +356,20 @@ class Checkpointer:
     with _TranslateSaveErrors(self, self._pending):
       self._manager.wait_until_finished()
     self._pending = None
+    self._quiet_orbax(False)  # whole: orbax's errors from here on are not about our saves
 
   def close(self) -> None:
+    self._quiet_orbax(True)
     try:
-      self.wait()
-    except SaveFailed:
-      with contextlib.suppress(Exception):  # orbax raises the same failure again: said once
-        self._manager.close()
-      raise
-    self._manager.close()
+      try:
+        self.wait()
+      except SaveFailed:
+        with contextlib.suppress(Exception):  # orbax raises the same failure again: said once
+          self._manager.close()
+        raise
+      self._manager.close()
+    finally:
+      self._quiet_orbax(False)
 
 
 class _TranslateSaveErrors:
@@ -338,6 +391,10 @@ class _TranslateSaveErrors:
     if ckpt._primary:  # pylint: disable=protected-access
       rundir.remove_tmp_leftovers(ckpt.workdir)  # the half-written step: give the space back
     code = _os_error_code(exc)
+    if code is None:  # the cause may be only in orbax's records (dropped: _QUIET_SAVES)
+      code = _captured_error_code()
+    # reported here (orbax's threads are done): its later errors log again, close's aside
+    ckpt._quiet_orbax(False)  # pylint: disable=protected-access
     if code in (errno.ENOSPC, errno.EDQUOT):
       needed = ckpt._state_bytes or 0  # pylint: disable=protected-access
       raise DiskFullError(_disk_full_message(
@@ -367,6 +424,11 @@ def _os_error_code(exc: BaseException) -> int | None:
         return code
     exc = exc.__cause__ or exc.__context__
   return None
+
+
+def _captured_error_code() -> int | None:
+  """The errno in the first of orbax's dropped error records that names one, or None."""
+  return next((code for _, code in _QUIET_SAVES.captured if code is not None), None)
 
 
 def _save_failed_message(ckpt: Checkpointer, step: int | None, code: int | None,
