@@ -31,6 +31,7 @@ sys.path.insert(0, ROOT)
 
 from infir2_jax.train import rundir  # noqa: E402
 
+SAVE_FAILURE_SLACK_STEPS = 4   # steps a run may go on before a background save's failure shows
 CLASSES = ("ok", "data lost", "corrupt state used", "silently wrong", "hang", "leak",
            "unclear error")
 # A start that must fail is given these too: if it wrongly trains, it ends soon.
@@ -465,7 +466,11 @@ def family_disk(ctx):
             preexec_fn=cap)
     outcome, detail = judge_failure(r, r"EFBIG|[Ff]ile too large|file size|disk|space")
     steps = [rec["step"] for rec in rundir.read_metrics(workdir) if "loss" in rec]
-    if outcome == "ok" and steps and max(steps) > 6:   # trained past the failed save at 6
+    # The save at 6 fails in the background; the loop learns it at the first poll after
+    # orbax's thread ends (Checkpointer.poll, every step) and stops there, its one error
+    # line naming the checkpoint to resume from. So a few steps past 6 are the contract
+    # (tests/test_checkpoint_save_faults.py allows 4); training on beyond is the fault.
+    if outcome == "ok" and steps and max(steps) > 6 + SAVE_FAILURE_SLACK_STEPS:
       outcome, detail = "silently wrong", f"trained to step {max(steps)} past a failed save"
     faults.append(fault("full disk", f"RLIMIT_FSIZE={limit >> 10} KiB", workdir, outcome,
                         detail))
