@@ -462,7 +462,8 @@ def family_disk(ctx):
     def cap(limit=limit):
       resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
       signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # EFBIG, not a killed process
-    r = run(ctx, ["-m", "infir2_jax.train", *ctx.base_flags(8), f"--workdir={workdir}"],
+    # to 16 steps, so that training on to the end after the failed save at 6 would show
+    r = run(ctx, ["-m", "infir2_jax.train", *ctx.base_flags(16), f"--workdir={workdir}"],
             preexec_fn=cap)
     outcome, detail = judge_failure(r, r"EFBIG|[Ff]ile too large|file size|disk|space")
     steps = [rec["step"] for rec in rundir.read_metrics(workdir) if "loss" in rec]
