@@ -15,8 +15,11 @@ from infir2_jax.hf import save as hf_save
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # An export that writes part of its folder and then waits (as a long shard write does).
+# SIGINT as an interactive shell leaves it (a suite started in the background, `cmd &`,
+# hands its children SIGINT ignored, and then Python raises no KeyboardInterrupt).
 SLOW_EXPORT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from infir2_jax.hf.save import atomic_dir
     with atomic_dir(sys.argv[1], overwrite=True) as tmp:
       open(tmp + "/model-00001.safetensors", "wb").write(b"x" * 1000)
