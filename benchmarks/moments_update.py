@@ -165,9 +165,10 @@ def run_shape_set(name, shapes, args, device_or_none, save=lambda partial: None)
 def _differences(ref, other) -> dict:
   """How two trees of arrays differ: arrays and elements that differ, and the largest
   distance in units in the last place (float32 bits; fp8 codes for one-byte arrays)."""
+  import jax
   import numpy as np
   arrays = elements = max_ulp = 0
-  for a, b in zip(_leaves(ref), _leaves(other)):
+  for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(other)):
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype.itemsize == 1:
       ia, ib = a.view(np.int8).astype(np.int64), b.view(np.int8).astype(np.int64)
@@ -180,11 +181,6 @@ def _differences(ref, other) -> dict:
     arrays, elements = arrays + bool(n), elements + n
     max_ulp = max(max_ulp, int(diff.max(initial=0)))
   return {"arrays": arrays, "elements": elements, "max_ulp": max_ulp}
-
-
-def _leaves(tree):
-  import jax
-  return jax.tree.leaves(tree)
 
 
 def _time_variant(step, tx, abstract_params, grad_dtype, args, fingerprints, variant):

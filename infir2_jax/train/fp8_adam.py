@@ -135,7 +135,7 @@ def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=BLOCK_ROWS,
   args = (g_NxG, *m_parts, *v_parts, bcs)
   if interpret is None:   # Triton where it is lowered for CUDA (also ahead of time, on a CPU)
     out = jax.lax.platform_dependent(
-        *args, cuda=_jitted_kernel(r, False, tuple(sorted(hyper.items()))),
+        *args, cuda=_jitted_triton_kernel(r, tuple(sorted(hyper.items()))),
         default=functools.partial(_kernel_call, r, True, hyper))
   else:
     out = _kernel_call(r, interpret, hyper, *args)
@@ -143,12 +143,12 @@ def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=BLOCK_ROWS,
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_kernel(r: int, interpret: bool, hyper: tuple):
+def _jitted_triton_kernel(r: int, hyper: tuple):
   """_kernel_call as one jitted function: params of one shape (the same projection of every
   unrolled layer) share its jaxpr, so a step lowers the Triton kernel once per shape, not
   once per param (338 params at 1.5B unrolled). Only the CUDA branch: on the CPU the
   interpreted kernel stays inlined (a nested jit there moves the direction by an ulp)."""
-  return jax.jit(functools.partial(_kernel_call, r, interpret, dict(hyper)))
+  return jax.jit(functools.partial(_kernel_call, r, False, dict(hyper)))
 
 
 def _kernel_call(r: int, interpret: bool, hyper: dict, g_NxG, qm, am, km, qv, av, kv, bcs):
