@@ -14,7 +14,7 @@
 #        unrolled, infir2 unrolled saving the FP8 residuals, infir2 scanned),
 #        unrolled (1.5B at 2 x 8192, profiled, all unrolled: bf16, infir2, infir2 saving the
 #        FP8 residuals, that with Adam's moments in FP8: the layout fix and memory for speed),
-#        fast (1.5B at 2 x 8192, profiled, unrolled: bf16, configs/1p5b.py:fast's infir2, that
+#        fast (the Pallas-vs-XLA GEMM tests, then 1.5B at 2 x 8192, profiled, unrolled: bf16, configs/1p5b.py:fast's infir2, that
 #        with FA3 varlen, that with Adam's moments in FP8),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
@@ -93,6 +93,8 @@ elif [[ $STAGE == unrolled ]]; then
     --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -40
 elif [[ $STAGE == fast ]]; then
   F=model.scan_layers=False~model.remat=save_dots_fp8
+  timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_precision_dot_general.py \
+    2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -4 | tee "$OUT/gpu_tests.log"
   timeout $((DEADLINE + 400)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
     --recipes=bf16~model.scan_layers=False,infir2~$F,infir2~$F~model.document_kernel=fa3_varlen,infir2~$F~opt.moments=fp8 \
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=240 \
