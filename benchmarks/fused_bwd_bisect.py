@@ -1,0 +1,106 @@
+"""Why the fused SwiGLU backward kernel runs 3.4x slower than the separate passes: one
+factor at a time.
+
+  PYTHONPATH=. python3 benchmarks/fused_bwd_bisect.py --out /tmp/bisect.json
+  PYTHONPATH=. python3 benchmarks/fused_bwd_bisect.py --shape=256x256 --interpret   # CPU
+
+kernels/fused_quantize.py's kernel body with stand-in producers, device time (CUPTI) each,
+side by side in one process, at 16384 x 8960 (the 1.5B MLP at 16k tokens):
+  fwd            gate, up -> h                 (the fused forward: 1 output, 2 inputs)
+  bwd            dh, gate, up -> dgate, dup    (the fused backward as the MLP would run it)
+  bwd_noalias    the same, fp8 staging in its own shared memory
+  copy2_3in      dh, gate, up -> dh, gate      (no arithmetic: 3 inputs, 2 outputs)
+  copy1_3in      dh, gate, up -> dh            (3 inputs, 1 output)
+  dg_only_3in    dh, gate, up -> dgate         (the backward's arithmetic for 1 output)
+  copy2_2in      gate, up -> gate, up          (2 inputs, 2 outputs, no alias possible)
+  separate       XLA's SwiGLU backward, then one quantize_tiles of [dgate | dup]
+GB/s counts each variant's own inputs read once and fp8 outputs written once.
+"""
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from infir2_jax.bench import tools as benchtools
+from infir2_jax.precision import kernels
+from infir2_jax.precision.kernels import fused_quantize as fq
+
+STAND_INS = {
+    "copy2_3in": (lambda dh, g, u: (dh, g), 2),
+    "copy1_3in": (lambda dh, g, u: (dh,), 1),
+    "dg_only_3in": (lambda dh, g, u: fq.swiglu_bwd_f32(dh, g, u)[:1], 1),
+    "copy2_2in": (lambda g, u: (g, u), 2),
+}
+
+
+def variants(f):
+  """name -> (producer, arrays index list, sources, alias)."""
+  fb = f // 128
+  three = ((0, 0), (1, 0), (1, fb))
+  return {
+      "fwd": ("swiglu", (1,), ((0, 0), (0, fb)), True),
+      "bwd": ("swiglu_bwd", (0, 1), three, True),
+      "bwd_noalias": ("swiglu_bwd", (0, 1), three, False),
+      "copy2_3in": ("copy2_3in", (0, 1), three, True),
+      "copy1_3in": ("copy1_3in", (0, 1), three, True),
+      "dg_only_3in": ("dg_only_3in", (0, 1), three, True),
+      "copy2_2in": ("copy2_2in", (1,), ((0, 0), (0, fb)), False),
+  }
+
+
+def main(argv):
+  p = argparse.ArgumentParser()
+  p.add_argument("--out", default="")
+  p.add_argument("--shape", default="16384x8960")
+  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--interpret", action="store_true", help="CPU smoke test (no timing)")
+  args = p.parse_args(argv)
+  m, f = map(int, args.shape.split("x"))
+  fq.PRODUCERS.update(STAND_INS)
+  k1, k2 = jax.random.split(jax.random.key(0))
+  gu = jax.random.normal(k1, (m, 2 * f), jnp.bfloat16) * 2
+  dh = jax.random.normal(k2, (m, f), jnp.bfloat16) * 1e-2
+  inputs = (dh, gu)
+  nbytes = lambda xs: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(xs))
+  result = {"info": benchtools.run_info(["benchmarks/fused_bwd_bisect.py", *argv],
+                                        with_device=not args.interpret),
+            "shape": [m, f], "rows": {}}
+  want = fq.swiglu_bwd_quantize_reference(dh, gu)
+  for name, (producer, which, sources, alias) in variants(f).items():
+    arrays = [inputs[i] for i in which]
+    config = fq.FusedConfig(64, alias)
+    fn = jax.jit(lambda *a, producer=producer, sources=sources, config=config: fq._run(
+        producer, list(a), sources, f, "e4m3", "ue8m0", args.interpret, False, config))
+    try:
+      out = jax.block_until_ready(fn(*arrays))
+      row = {"bytes": nbytes(arrays) + nbytes(out)}
+      if name == "bwd":
+        row["matches_reference"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, want))
+      if not args.interpret:
+        ms = benchtools.device_ms(fn, arrays, args.iters)
+        row.update(us=ms * 1e3, gbps=row["bytes"] / (ms * 1e-3) / 1e9)
+    except Exception as e:  # noqa: BLE001 - record and go on
+      row = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+    result["rows"][name] = row
+    print(f"{name:12s} " + " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                    for k, v in row.items()), flush=True)
+
+  def separate(dh, gu):
+    return kernels.quantize_tiles(fq.swiglu_bwd_reference(dh, gu), with_transpose=True)
+  if not args.interpret:
+    fn = jax.jit(separate)
+    out = fn(dh, gu)
+    ms = benchtools.device_ms(fn, (dh, gu), args.iters)
+    b = nbytes((dh, gu)) + nbytes(out)
+    result["rows"]["separate"] = {"bytes": b, "us": ms * 1e3, "gbps": b / (ms * 1e-3) / 1e9,
+                                  "kernels": benchtools.kernel_breakdown(fn, (dh, gu))}
+    print(f"separate     us={ms * 1e3:.1f} gbps={b / (ms * 1e-3) / 1e9:.0f}", flush=True)
+  if args.out:
+    with open(args.out, "w") as fh:
+      json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
