@@ -13,6 +13,8 @@ side by side in one process, at 16384 x 8960 (the 1.5B MLP at 16k tokens):
   copy1_3in      dh, gate, up -> dh            (3 inputs, 1 output)
   dg_only_3in    dh, gate, up -> dgate         (the backward's arithmetic for 1 output)
   copy2_2in      gate, up -> gate, up          (2 inputs, 2 outputs, no alias possible)
+  bwd_per_output the backward, one pass per output (FusedConfig.passes="per_output")
+  bwd_per_output_noalias, bwd_per_output_cols128   its other configs
   separate       XLA's SwiGLU backward, then one quantize_tiles of [dgate | dup]
 GB/s counts each variant's own inputs read once and fp8 outputs written once.
 """
@@ -36,17 +38,22 @@ STAND_INS = {
 
 
 def variants(f):
-  """name -> (producer, arrays index list, sources, alias)."""
+  """name -> (producer, arrays index list, sources, FusedConfig)."""
   fb = f // 128
   three = ((0, 0), (1, 0), (1, fb))
   return {
-      "fwd": ("swiglu", (1,), ((0, 0), (0, fb)), True),
-      "bwd": ("swiglu_bwd", (0, 1), three, True),
-      "bwd_noalias": ("swiglu_bwd", (0, 1), three, False),
-      "copy2_3in": ("copy2_3in", (0, 1), three, True),
-      "copy1_3in": ("copy1_3in", (0, 1), three, True),
-      "dg_only_3in": ("dg_only_3in", (0, 1), three, True),
-      "copy2_2in": ("copy2_2in", (1,), ((0, 0), (0, fb)), False),
+      "fwd": ("swiglu", (1,), ((0, 0), (0, fb)), fq.FusedConfig(64, True)),
+      "bwd": ("swiglu_bwd", (0, 1), three, fq.FusedConfig(64, True)),
+      "bwd_noalias": ("swiglu_bwd", (0, 1), three, fq.FusedConfig(64, False)),
+      "copy2_3in": ("copy2_3in", (0, 1), three, fq.FusedConfig(64, True)),
+      "copy1_3in": ("copy1_3in", (0, 1), three, fq.FusedConfig(64, True)),
+      "dg_only_3in": ("dg_only_3in", (0, 1), three, fq.FusedConfig(64, True)),
+      "copy2_2in": ("copy2_2in", (1,), ((0, 0), (0, fb)), fq.FusedConfig(64, False)),
+      "bwd_per_output": ("swiglu_bwd", (0, 1), three, fq.FusedConfig(64, True, "per_output")),
+      "bwd_per_output_noalias": ("swiglu_bwd", (0, 1), three,
+                                 fq.FusedConfig(64, False, "per_output")),
+      "bwd_per_output_cols128": ("swiglu_bwd", (0, 1), three,
+                                 fq.FusedConfig(128, True, "per_output")),
   }
 
 
@@ -68,15 +75,14 @@ def main(argv):
                                         with_device=not args.interpret),
             "shape": [m, f], "rows": {}}
   want = fq.swiglu_bwd_quantize_reference(dh, gu)
-  for name, (producer, which, sources, alias) in variants(f).items():
+  for name, (producer, which, sources, config) in variants(f).items():
     arrays = [inputs[i] for i in which]
-    config = fq.FusedConfig(64, alias)
     fn = jax.jit(lambda *a, producer=producer, sources=sources, config=config: fq._run(
         producer, list(a), sources, f, "e4m3", "ue8m0", args.interpret, False, config))
     try:
       out = jax.block_until_ready(fn(*arrays))
       row = {"bytes": nbytes(arrays) + nbytes(out)}
-      if name == "bwd":
+      if name.startswith("bwd"):
         row["matches_reference"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(out, want))
       if not args.interpret:
         ms = benchtools.device_ms(fn, arrays, args.iters)

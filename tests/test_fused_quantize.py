@@ -44,6 +44,8 @@ def test_swiglu_quantize_interpret_bit_identical(m, f, fmt, scale_format, config
 @pytest.mark.parametrize("m,f,fmt,scale_format,config", [
     (256, 256, "e4m3", "ue8m0", fused_quantize.FusedConfig(64, True)),
     (136, 128, "e4m3", "fp32", fused_quantize.FusedConfig(128, False)),
+    (256, 256, "e4m3", "ue8m0", fused_quantize.FusedConfig(64, True, "per_output")),
+    (136, 128, "e5m2", "fp32", fused_quantize.FusedConfig(128, False, "per_output")),
 ])
 def test_swiglu_bwd_quantize_interpret_bit_identical(m, f, fmt, scale_format, config):
   gu = _gu(m, f, seed=1)
@@ -102,8 +104,9 @@ def test_fused_quantize_rejects_bad_input():
 
 
 @pytest.mark.parametrize("producer", ["swiglu", "swiglu_bwd"])
-@pytest.mark.parametrize("config", [fused_quantize.FusedConfig(cols, alias)
-                                    for cols in (64, 128) for alias in (True, False)], ids=str)
+@pytest.mark.parametrize("config", [fused_quantize.FusedConfig(cols, alias, passes)
+                                    for cols in (64, 128) for alias in (True, False)
+                                    for passes in ("joint", "per_output")], ids=str)
 def test_fused_quantize_lowers_for_hopper(producer, config):
   """The 1.5B's MLP (16384 tokens, F = 8960) and a token tail: shared memory fits, every
   primitive lowers, and the kernel carries its name for profiles."""
