@@ -16,6 +16,8 @@
 #        FP8 residuals, that with Adam's moments in FP8: the layout fix and memory for speed),
 #        fast (the Pallas-vs-XLA GEMM tests, then 1.5B at 2 x 8192, profiled, unrolled: bf16, configs/1p5b.py:fast's infir2, that
 #        with FA3 varlen, that with Adam's moments in FP8),
+#        fusedbwd (the fused SwiGLU backward's GPU test and bisect, then 1.5B at 2 x 8192,
+#        profiled, unrolled: bf16, the fast infir2 without and with precision.fused_mlp_backward),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
@@ -98,6 +100,18 @@ elif [[ $STAGE == fast ]]; then
   timeout $((DEADLINE + 400)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
     --recipes=bf16~model.scan_layers=False,infir2~$F,infir2~$F~model.document_kernel=fa3_varlen,infir2~$F~opt.moments=fp8 \
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=240 \
+    --deadline_s="$DEADLINE" --profile_dir=/tmp/prof \
+    --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -40
+elif [[ $STAGE == fusedbwd ]]; then
+  F=model.scan_layers=False~model.remat=save_dots_fp8
+  timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
+    -k "fused_quantize_on_gpu and swiglu_bwd" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" \
+    | tail -4 | tee "$OUT/gpu_tests.log"
+  timeout 120 python3 benchmarks/fused_bwd_bisect.py --out="$OUT/fused_bwd_bisect.json" 2>&1 \
+    | grep -v "^W0000\|^I0000" | tail -12
+  timeout $((DEADLINE + 200)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
+    --recipes=bf16~model.scan_layers=False,infir2~$F,infir2~$F~precision.fused_mlp_backward=True \
+    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=200 \
     --deadline_s="$DEADLINE" --profile_dir=/tmp/prof \
     --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -40
 elif [[ $STAGE == 7b ]]; then

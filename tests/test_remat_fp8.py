@@ -22,7 +22,8 @@ import infir2_jax.precision.kernels as kernels
 from infir2_jax.model import ModelConfig, Qwen2
 from infir2_jax.precision import (
     PrecisionConfig, gemm, make_dot_general, make_dot_general_factory)
-from infir2_jax.precision.fused_mlp import FUSED_BACKWARD
+
+FUSED_BACKWARD = PrecisionConfig().fused_mlp_backward
 
 # 128-aligned widths: every projection takes the kernel path
 CFG = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,

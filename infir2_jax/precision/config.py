@@ -46,6 +46,10 @@ class PrecisionConfig:
       gate and up as one GEMM, quantization fused into SwiGLU and its backward); False runs
       its three projections as separate dot_generals (the same quantized operands; dx then
       adds two bf16 products).
+    fused_mlp_backward: in the fused MLP on Hopper, SwiGLU's backward and the quantization
+      of dgate and dup as one kernel (kernels.swiglu_bwd_quantize) instead of XLA's SwiGLU
+      backward and one quantize kernel: the same quantization of the values made, which
+      may differ from XLA's in the last bit of exp/division in a few per million.
   """
   recipe: str = "bf16"
   overrides: tuple[str, ...] = ()
@@ -53,6 +57,7 @@ class PrecisionConfig:
   telemetry_every_steps: int = 0
   quantize_lm_head: bool = False
   fused_mlp: bool = True
+  fused_mlp_backward: bool = False
 
   def __post_init__(self):
     if isinstance(self.overrides, str):

@@ -56,7 +56,8 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
       axes = None
     key = ("mlp", recipe.name, axes)
     if key not in cache:
-      mlp = fused_mlp.make_gated_mlp(recipe, backend=cfg.backend)
+      mlp = fused_mlp.make_gated_mlp(recipe, backend=cfg.backend,
+                                     fused_backward=cfg.fused_mlp_backward)
       cache[key] = mlp if axes is None else per_shard_mlp(mlp, axes)
     return cache[key]
 

@@ -12,8 +12,9 @@
             dx = dgu . [Wg | Wu]^T                        ONE dgrad GEMM over K = 2F
             d[Wg | Wu] = x^T . dgu                        ONE wgrad GEMM, in [D, 2F]
 On Hopper no bf16 h is ever written to memory (kernels.swiglu_quantize); the backward
-computes dgu with XLA and quantizes it in one kernels.quantize_tiles call (FUSED_BACKWARD
-says why); elsewhere the same numbers come from XLA (the kernels' references). Numerics against the three-projection composition: every quantized operand is
+computes dgu with XLA and quantizes it in one kernels.quantize_tiles call, or, with
+fused_backward (precision.fused_mlp_backward), in one kernels.swiglu_bwd_quantize;
+elsewhere the same numbers come from XLA (the kernels' references). Numerics against the three-projection composition: every quantized operand is
 identical (F is a multiple of 128, so no tile or block straddles gate and up); dx sums the
 gate and up halves in one f32 accumulator instead of adding two bf16 products.
 
@@ -40,11 +41,12 @@ from infir2_jax.precision.quantize import QTensor, resolve_tile
 from infir2_jax.precision.recipes import Recipe, get_recipe
 
 TILE = 128
-# kernels.swiglu_bwd_quantize (SwiGLU's backward fused with dgu's quantization) runs 3.4x
-# slower on the H200 than XLA's SwiGLU backward followed by one quantize_tiles of dgu (2452
-# vs 717 us at 16384 x 8960, whatever its FusedConfig; no register spills), so the backward
-# takes the separate passes until the kernel is faster (benchmarks/NOTES_kernels.md).
-FUSED_BACKWARD = False
+# kernels.swiglu_bwd_quantize computing dgate and dup from one register load (FusedConfig
+# passes="joint") ran 3.4x slower on the H200 than XLA's SwiGLU backward and one
+# quantize_tiles of dgu (2533 vs 709 us at 16384 x 8960), while the same kernel making
+# dgate alone ran at 419 us (benchmarks/fused_bwd_bisect.py); the fused backward runs one
+# pass per output.
+BACKWARD_KERNEL_CONFIG = fused_quantize.FusedConfig(passes="per_output")
 
 
 def supports(recipe: "Recipe | str") -> bool:
@@ -89,6 +91,7 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 class _MlpPlan:
   gemm: GemmPlan   # dtypes: activations and weights in the compute dtype
   fast_accum: tuple[bool, bool, bool]
+  fused_backward: bool = False
 
 
 def _tiles(out, spec, spec_t) -> tuple[QTensor, QTensor]:
@@ -107,13 +110,15 @@ def _swiglu_tiles(gp: GemmPlan, gu, spec, spec_t):
                 spec, spec_t)
 
 
-def _swiglu_bwd_tiles(gp: GemmPlan, dh, gu, spec, spec_t):
-  """(dgu per spec, dgu^T per spec_t) of dgu = [dgate | dup]; fused on Hopper."""
+def _swiglu_bwd_tiles(plan: _MlpPlan, dh, gu, spec, spec_t):
+  """(dgu per spec, dgu^T per spec_t) of dgu = [dgate | dup]; one kernel on Hopper with
+  plan.fused_backward."""
+  gp = plan.gemm
   kernels = quantizer_kernels(gp, dh, spec, spec_t, tile=(1, TILE))
-  if kernels is None or gu.dtype != dh.dtype or not FUSED_BACKWARD:
+  if kernels is None or gu.dtype != dh.dtype or not plan.fused_backward:
     return quantize_rows(gp, fused_quantize.swiglu_bwd_reference(dh, gu), spec, spec_t)
-  return _tiles(kernels.swiglu_bwd_quantize(dh, gu, fmt=spec.fmt,
-                                                scale_format=spec.scale_format),
+  return _tiles(kernels.swiglu_bwd_quantize(dh, gu, fmt=spec.fmt, scale_format=spec.scale_format,
+                                            config=BACKWARD_KERNEL_CONFIG),
                 spec, spec_t)
 
 
@@ -164,7 +169,7 @@ def _fused_mlp_bwd(plan: _MlpPlan, res, dy_MxD):
   with jax.named_scope("fp8_wgrad"):
     dwd_FxD = _matmul(plan, 2, ht_FxM, dyt_DxM, dw_dtype)
   with jax.named_scope("fp8_dgrad"):
-    dguq, dgut_2FxM = _swiglu_bwd_tiles(gp, dh_MxF, gu_Mx2F, r.dgrad.lhs, r.wgrad.rhs)
+    dguq, dgut_2FxM = _swiglu_bwd_tiles(plan, dh_MxF, gu_Mx2F, r.dgrad.lhs, r.wgrad.rhs)
     dx_MxD = _matmul(plan, 1, dguq, wgu_Dx2F, dx_dtype)
   with jax.named_scope("fp8_wgrad"):
     dwgu_Dx2F = _matmul(plan, 2, xt_DxM, dgut_2FxM, dw_dtype)
@@ -186,10 +191,12 @@ def _composed(recipe: Recipe, backend: str):
   return mlp
 
 
-def make_gated_mlp(recipe: "Recipe | str", *, backend: str = "auto"):
+def make_gated_mlp(recipe: "Recipe | str", *, backend: str = "auto",
+                   fused_backward: bool = False):
   """mlp(x [..., D], w_gate [D, F], w_up [D, F], w_down [F, D]) -> y [..., D] of `recipe`
   (one that `supports`), all in the compute dtype; F not a multiple of 128 runs the
-  composition of three products instead."""
+  composition of three products instead. fused_backward: SwiGLU's backward and dgu's
+  quantization as one kernel on Hopper (precision.fused_mlp_backward)."""
   recipe = get_recipe(recipe)
   if not supports(recipe):
     raise ValueError(f"recipe {recipe.name!r} has no fused MLP (needs 1x128 tiles for every "
@@ -204,7 +211,7 @@ def make_gated_mlp(recipe: "Recipe | str", *, backend: str = "auto"):
       return composed(x, wg_DxF, wu_DxF, wd_FxD)
     dtype = np.dtype(jnp.result_type(x.dtype, wg_DxF.dtype))
     plan = _MlpPlan(GemmPlan(recipe, backend, dtype, np.dtype(x.dtype), np.dtype(wg_DxF.dtype),
-                             dtype, False, False), fast_accum)
+                             dtype, False, False), fast_accum, fused_backward)
     return _fused_mlp(plan, x.reshape(-1, d), wg_DxF, wu_DxF, wd_FxD).reshape(*lead, d)
 
   mlp.recipe = recipe
