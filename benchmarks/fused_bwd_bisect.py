@@ -34,6 +34,11 @@ STAND_INS = {
     "copy1_3in": (lambda dh, g, u: (dh,), 1),
     "dg_only_3in": (lambda dh, g, u: fq.swiglu_bwd_f32(dh, g, u)[:1], 1),
     "copy2_2in": (lambda g, u: (g, u), 2),
+    "du_only_3in": (lambda dh, g, u: (fq.swiglu_dup_f32(dh, g),), 1),
+    "dh_g_3in": (lambda dh, g, u: (dh * g,), 1),
+    "sig_3in": (lambda dh, g, u: (fq.sigmoid_f32(g),), 1),
+    "fwd_form_3in": (lambda dh, g, u: (g * fq.sigmoid_f32(g) * dh,), 1),
+    "dg_u_3in": (lambda dh, g, u: (fq.swiglu_dgate_f32(dh, g, u), u), 2),
 }
 
 
@@ -49,6 +54,8 @@ def variants(f):
       "copy1_3in": ("copy1_3in", (0, 1), three, fq.FusedConfig(64, True)),
       "dg_only_3in": ("dg_only_3in", (0, 1), three, fq.FusedConfig(64, True)),
       "copy2_2in": ("copy2_2in", (1,), ((0, 0), (0, fb)), fq.FusedConfig(64, False)),
+      **{k: (k, (0, 1), three, fq.FusedConfig(64, True))
+         for k in ("du_only_3in", "dh_g_3in", "sig_3in", "fwd_form_3in", "dg_u_3in")},
       "bwd_per_output": ("swiglu_bwd", (0, 1), three, fq.FusedConfig(64, True, "per_output")),
       "bwd_per_output_noalias": ("swiglu_bwd", (0, 1), three,
                                  fq.FusedConfig(64, False, "per_output")),
@@ -63,6 +70,7 @@ def main(argv):
   p.add_argument("--shape", default="16384x8960")
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--interpret", action="store_true", help="CPU smoke test (no timing)")
+  p.add_argument("--variants", default="", help="comma-separated subset (default: all)")
   args = p.parse_args(argv)
   m, f = map(int, args.shape.split("x"))
   fq.PRODUCERS.update(STAND_INS)
@@ -75,7 +83,10 @@ def main(argv):
                                         with_device=not args.interpret),
             "shape": [m, f], "rows": {}}
   want = fq.swiglu_bwd_quantize_reference(dh, gu)
-  for name, (producer, which, sources, config) in variants(f).items():
+  chosen = variants(f)
+  if args.variants:
+    chosen = {k: chosen[k] for k in args.variants.split(",")}
+  for name, (producer, which, sources, config) in chosen.items():
     arrays = [inputs[i] for i in which]
     fn = jax.jit(lambda *a, producer=producer, sources=sources, config=config: fq._run(
         producer, list(a), sources, f, "e4m3", "ue8m0", args.interpret, False, config))
@@ -95,7 +106,7 @@ def main(argv):
 
   def separate(dh, gu):
     return kernels.quantize_tiles(fq.swiglu_bwd_reference(dh, gu), with_transpose=True)
-  if not args.interpret:
+  if not args.interpret and not args.variants:
     fn = jax.jit(separate)
     out = fn(dh, gu)
     ms = benchtools.device_ms(fn, (dh, gu), args.iters)
