@@ -193,7 +193,7 @@ def test_1p5b_fast_variant_is_the_measured_fastest_step():
   changed = {k: fast[k] for k in fast if fast[k] != base.get(k)}
   assert changed == {"model.scan_layers": False, "model.remat": "save_dots_fp8"}
   with open(os.path.join(ROOT, "benchmarks", "results",
-                         "train_step_h200_1p5b_s16_8k_unrolled.json")) as f:
+                         "train_step_h200_1p5b_s17_8k_fast.json")) as f:
     rows = {r["label"]: r for r in json.load(f)["variants"] if "error" not in r}
   label = next(l for l in rows if l.startswith("infir2~")
                and set(l.split("~")[1:]) == {f"{k}={v}" for k, v in changed.items()})

@@ -41,12 +41,11 @@ from infir2_jax.precision.quantize import QTensor, resolve_tile
 from infir2_jax.precision.recipes import Recipe, get_recipe
 
 TILE = 128
-# kernels.swiglu_bwd_quantize computing dgate and dup from one register load (FusedConfig
-# passes="joint") ran 3.4x slower on the H200 than XLA's SwiGLU backward and one
-# quantize_tiles of dgu (2533 vs 709 us at 16384 x 8960), while the same kernel making
-# dgate alone ran at 419 us (benchmarks/fused_bwd_bisect.py); the fused backward runs one
-# pass per output.
-BACKWARD_KERNEL_CONFIG = fused_quantize.FusedConfig(passes="per_output")
+# kernels.swiglu_bwd_quantize runs 3.6x slower on the H200 than XLA's SwiGLU backward and
+# one quantize_tiles of dgu (2518 vs 709 us at 16384 x 8960), though the same kernel body
+# making dgate alone runs at 419 us and copying two of its inputs to two outputs at 472
+# (benchmarks/fused_bwd_bisect.py, NOTES_kernels.md), so precision.fused_mlp_backward is
+# off by default until the cause is found.
 
 
 def supports(recipe: "Recipe | str") -> bool:
@@ -117,8 +116,7 @@ def _swiglu_bwd_tiles(plan: _MlpPlan, dh, gu, spec, spec_t):
   kernels = quantizer_kernels(gp, dh, spec, spec_t, tile=(1, TILE))
   if kernels is None or gu.dtype != dh.dtype or not plan.fused_backward:
     return quantize_rows(gp, fused_quantize.swiglu_bwd_reference(dh, gu), spec, spec_t)
-  return _tiles(kernels.swiglu_bwd_quantize(dh, gu, fmt=spec.fmt, scale_format=spec.scale_format,
-                                            config=BACKWARD_KERNEL_CONFIG),
+  return _tiles(kernels.swiglu_bwd_quantize(dh, gu, fmt=spec.fmt, scale_format=spec.scale_format),
                 spec, spec_t)
 
 

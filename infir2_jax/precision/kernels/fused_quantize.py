@@ -45,22 +45,15 @@ class FusedConfig:
   Attributes:
     producer_cols: width of the [64, cols] pieces the producer computes at a time (128 or
       64): narrower pieces hold fewer registers per thread (the backward reads three inputs).
-    alias_outputs: put the fp8 staging buffers in the shared memory of an input that is
-      dead once the producer has run (a RefUnion), which leaves room for more CTAs per SM.
-    passes: "joint" computes all of a producer's outputs from one register load of its
-      inputs; "per_output" runs one pass over the block per output (producers with more
-      than one output: the backward), each loading only the inputs it reads and writing its
-      output over an input no later pass reads.
+    alias_outputs: put the fp8 staging buffers in the last input's shared memory (a
+      RefUnion), which leaves room for more CTAs per SM.
   """
   producer_cols: int = 64
   alias_outputs: bool = True
-  passes: str = "joint"
 
   def __post_init__(self):
     if self.producer_cols not in (64, 128):
       raise ValueError(f"FusedConfig.producer_cols={self.producer_cols}: must be 64 or 128")
-    if self.passes not in ("joint", "per_output"):
-      raise ValueError(f"FusedConfig.passes={self.passes!r}: must be 'joint' or 'per_output'")
 
 
 DEFAULT_FUSED_CONFIG = FusedConfig()
@@ -129,12 +122,10 @@ def _half_width(gu):
 
 
 def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format,
-                with_values, config: FusedConfig, passes=None):
+                with_values, config: FusedConfig):
   """One CTA makes one 128x128 block of each of the producer's n_out outputs, quantized.
 
   sources: (input array index, column-block offset) of each producer argument's block.
-  passes (config.passes == "per_output"): per output, (function, the inputs it reads, the
-  input whose buffer it overwrites); the joint producer writes output j over input j.
   Output j of block (mi, ki) is written at column block j * fb + ki of the outputs;
   with_values also writes the bf16 values it quantized (for tests).
   """
@@ -146,13 +137,11 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
   rows = pl.ds(mi * TILE, TILE)
   dtype = formats.get_format(fmt).dtype
 
-  alias = _alias_input(len(sources), passes)
-
   def scoped(*scratch):
     if config.alias_outputs:
-      *bufs, s_smem, st_smem, bar = scratch
-      dead, (q_smem, qt_smem) = bufs[alias]  # the dead input, then (q, qT) over its memory
-      bufs[alias] = dead
+      *bufs, union, s_smem, st_smem, bar = scratch
+      last, (q_smem, qt_smem) = union  # the last input, then (q, qT) over its memory
+      bufs = (*bufs, last)
     else:
       bufs, (q_smem, qt_smem, s_smem, st_smem, bar) = (scratch[:len(sources)],
                                                        scratch[len(sources):])
@@ -162,28 +151,20 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
     for i in range(len(sources)):
       plgpu.barrier_wait(bar.at[i])
     cols = config.producer_cols
-    pieces = [(pl.ds(h * HALF, HALF), pl.ds(c * cols, cols))
-              for h in range(2) for c in range(TILE // cols)]
-    load = lambda b, piece: plgpu.load(b.at[piece], layout=plgpu.Layout.WGMMA).astype(
-        jnp.float32)
-    if passes is None:  # the joint producer: its outputs replace the first n_out inputs
-      out_bufs = bufs[:n_out]
-      for piece in pieces:
-        ys = producer(*[load(b, piece) for b in bufs])
-        for b, y in zip(out_bufs, ys):
+    for h in range(2):  # the producer; its bf16 outputs replace the first n_out inputs
+      for c in range(TILE // cols):
+        piece = (pl.ds(h * HALF, HALF), pl.ds(c * cols, cols))
+        xs = [plgpu.load(b.at[piece], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+              for b in bufs]
+        for b, y in zip(bufs, producer(*xs)):
           b[piece] = y.astype(jnp.bfloat16)
-    else:  # one pass per output, loading only the inputs it reads
-      out_bufs = [bufs[dest] for _, _, dest in passes]
-      for fn, reads, dest in passes:
-        for piece in pieces:
-          bufs[dest][piece] = fn(*[load(bufs[i], piece) for i in reads]).astype(jnp.bfloat16)
     plgpu.commit_smem()
     for j in range(n_out):
       if j:  # the previous output's TMA stores must have read q_smem / qt_smem
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      quantize_block_tiles(out_bufs[j], q_smem, s_smem, transposed=False, fmt=fmt,
+      quantize_block_tiles(bufs[j], q_smem, s_smem, transposed=False, fmt=fmt,
                            scale_format=scale_format)
-      quantize_block_tiles(out_bufs[j], qt_smem, st_smem, transposed=True, fmt=fmt,
+      quantize_block_tiles(bufs[j], qt_smem, st_smem, transposed=True, fmt=fmt,
                            scale_format=scale_format)
       plgpu.commit_smem()
       kb = j * fb + ki
@@ -193,7 +174,7 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
       plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[cols, rows])
       plgpu.copy_smem_to_gmem(st_smem, st_gmem.at[pl.ds(mi, 1), cols])
       if with_values:
-        plgpu.copy_smem_to_gmem(out_bufs[j], v_gmem[0].at[rows, cols])
+        plgpu.copy_smem_to_gmem(bufs[j], v_gmem[0].at[rows, cols])
     plgpu.wait_smem_to_gmem(0)
 
   bf16 = jnp.bfloat16
@@ -201,7 +182,7 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
   staging = [block(dtype), block(dtype)]
   inputs = [block(bf16) for _ in sources]
   if config.alias_outputs:
-    inputs[alias] = plgpu.RefUnion(inputs[alias], staging)
+    inputs[-1] = plgpu.RefUnion(inputs[-1], staging)
     staging = []
   pl.run_scoped(
       scoped, *inputs, *staging,
@@ -217,23 +198,6 @@ def fused_kernel_name(producer: str, m: int, f: int) -> str:
 
 
 PRODUCERS = {"swiglu": (swiglu_f32, 1), "swiglu_bwd": (swiglu_bwd_f32, 2)}
-# FusedConfig.passes="per_output": per output (function, inputs read, input overwritten).
-# The backward's inputs are (dh, gate, up): dgate goes over up (dup does not read it), then
-# dup over gate, which leaves dh dead for the fp8 staging.
-PER_OUTPUT_PASSES = {
-    "swiglu_bwd": ((swiglu_dgate_f32, (0, 1, 2), 2), (swiglu_dup_f32, (0, 1), 1)),
-}
-
-
-def _alias_input(n_sources: int, passes) -> int:
-  """The input whose buffer is dead once the producer has run (the fp8 staging's home)."""
-  if passes is None:
-    return n_sources - 1
-  written = {dest for _, _, dest in passes}
-  dead = [i for i in range(n_sources) if i not in written]
-  if not dead:
-    raise ValueError("per-output passes overwrite every input: no buffer for the staging")
-  return dead[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -250,12 +214,9 @@ def _fused_kernel(producer: str, in_shapes, sources, m: int, f: int, fmt, scale_
               jax.ShapeDtypeStruct((mb, width), jnp.float32))
   if with_values:
     out_type += (jax.ShapeDtypeStruct((m, width), jnp.bfloat16),)
-  passes = None
-  if config.passes == "per_output" and n_out > 1:
-    passes = PER_OUTPUT_PASSES[producer]
   body = functools.partial(_fused_body, producer=fn, sources=sources, n_arrays=len(in_shapes),
                            n_out=n_out, fb=fb, fmt=fmt, scale_format=scale_format,
-                           with_values=with_values, config=config, passes=passes)
+                           with_values=with_values, config=config)
   return jax.jit(plgpu.kernel(
       body, out_type=out_type, grid=(mb, fb), grid_names=("m", "k"),
       kernel_name=fused_kernel_name(producer, m, f),
