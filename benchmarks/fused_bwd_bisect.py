@@ -35,11 +35,11 @@ STAND_INS = {
     "copy1_3in": (lambda dh, g, u: (dh,), 1),
     "dg_only_3in": (lambda dh, g, u: fq.swiglu_bwd_f32(dh, g, u)[:1], 1),
     "copy2_2in": (lambda g, u: (g, u), 2),
-    "du_only_3in": (lambda dh, g, u: (fq.swiglu_dup_f32(dh, g),), 1),
+    "du_only_3in": (lambda dh, g, u: fq.swiglu_bwd_f32(dh, g, u)[1:], 1),
     "dh_g_3in": (lambda dh, g, u: (dh * g,), 1),
     "sig_3in": (lambda dh, g, u: (fq.sigmoid_f32(g),), 1),
     "fwd_form_3in": (lambda dh, g, u: (g * fq.sigmoid_f32(g) * dh,), 1),
-    "dg_u_3in": (lambda dh, g, u: (fq.swiglu_dgate_f32(dh, g, u), u), 2),
+    "dg_u_3in": (lambda dh, g, u: (fq.swiglu_bwd_f32(dh, g, u)[0], u), 2),
 }
 
 

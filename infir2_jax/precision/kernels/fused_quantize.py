@@ -69,23 +69,12 @@ def swiglu_f32(g, u):
   return (g * sigmoid_f32(g) * u,)
 
 
-def swiglu_dgate_f32(dh, g, u):
-  """d swiglu_f32 / d g for the output gradient dh: dh * u * s * (1 + g * (1 - s)),
-  s = sigmoid(g), in float32."""
-  s = sigmoid_f32(g)
-  dsilu = s * (1.0 + g * (1.0 - s))
-  return dh * u * dsilu
-
-
-def swiglu_dup_f32(dh, g):
-  """d swiglu_f32 / d u for the output gradient dh: dh * g * s, in float32."""
-  return dh * (g * sigmoid_f32(g))
-
-
 def swiglu_bwd_f32(dh, g, u):
   """Gradients of swiglu_f32 w.r.t. (g, u) for the output gradient dh, in float32:
-  (swiglu_dgate_f32, swiglu_dup_f32)."""
-  return swiglu_dgate_f32(dh, g, u), swiglu_dup_f32(dh, g)
+  dg = dh * u * s * (1 + g * (1 - s)) and du = dh * g * s, with s = sigmoid(g)."""
+  s = sigmoid_f32(g)
+  dsilu = s * (1.0 + g * (1.0 - s))
+  return dh * u * dsilu, dh * (g * s)
 
 
 def swiglu_reference(gu_Mx2F):
