@@ -1,4 +1,4 @@
-"""Why the fused SwiGLU backward kernel runs 3.4x slower than the separate passes: one
+"""Why the fused SwiGLU backward kernel runs 3.4-3.6x slower than the separate passes: one
 factor at a time.
 
   PYTHONPATH=. python3 benchmarks/fused_bwd_bisect.py --out /tmp/bisect.json

@@ -14,8 +14,8 @@
 #        unrolled, infir2 unrolled saving the FP8 residuals, infir2 scanned),
 #        unrolled (1.5B at 2 x 8192, profiled, all unrolled: bf16, infir2, infir2 saving the
 #        FP8 residuals, that with Adam's moments in FP8: the layout fix and memory for speed),
-#        fast (the Pallas-vs-XLA GEMM tests, then 1.5B at 2 x 8192, profiled, unrolled: bf16, configs/1p5b.py:fast's infir2, that
-#        with FA3 varlen, that with Adam's moments in FP8),
+#        fast (the Pallas-vs-XLA GEMM tests, then 1.5B at 2 x 8192, profiled, unrolled: bf16,
+#        configs/1p5b.py:fast's infir2, that with FA3 varlen, that with Adam's moments in FP8),
 #        fusedbwd (the fused SwiGLU backward's GPU test and bisect, then 1.5B at 2 x 8192,
 #        profiled, unrolled: bf16, the fast infir2 without and with precision.fused_mlp_backward),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),

@@ -14,9 +14,10 @@
 On Hopper no bf16 h is ever written to memory (kernels.swiglu_quantize); the backward
 computes dgu with XLA and quantizes it in one kernels.quantize_tiles call, or, with
 fused_backward (precision.fused_mlp_backward), in one kernels.swiglu_bwd_quantize;
-elsewhere the same numbers come from XLA (the kernels' references). Numerics against the three-projection composition: every quantized operand is
-identical (F is a multiple of 128, so no tile or block straddles gate and up); dx sums the
-gate and up halves in one f32 accumulator instead of adding two bf16 products.
+elsewhere the same numbers come from XLA (the kernels' references). Numerics against the
+three-projection composition: every quantized operand is identical (F is a multiple of
+128, so no tile or block straddles gate and up); dx sums the gate and up halves in one f32
+accumulator instead of adding two bf16 products.
 
 Remat names (model/remat.py): gu is FP8_GEMM_OUT (saved by "save_dots", as gate's and up's
 outputs were), x^T, h^T and the weights' dgrad layouts are FP8_RESIDUALS.
