@@ -13,7 +13,8 @@ side by side in one process, at 16384 x 8960 (the 1.5B MLP at 16k tokens):
   copy1_3in      dh, gate, up -> dh            (3 inputs, 1 output)
   dg_only_3in    dh, gate, up -> dgate         (the backward's arithmetic for 1 output)
   copy2_2in      gate, up -> gate, up          (2 inputs, 2 outputs, no alias possible)
-  du_only_3in, dh_g_3in, sig_3in, fwd_form_3in, dg_u_3in: the dup side, piece by piece
+  du_only_3in, dh_g_3in, sig_3in, fwd_form_3in, dg_u_3in, silu_3in, dhg_then_s_3in,
+  dg_plus_du_3in (both formulas, one output), du_dg_swapped (dup made first): the dup side
   separate       XLA's SwiGLU backward, then one quantize_tiles of [dgate | dup]
 GB/s counts each variant's own inputs read once and fp8 outputs written once. Session 17
 also timed the backward computing one output per pass over the block (2952-3072 us, slower
@@ -40,6 +41,10 @@ STAND_INS = {
     "sig_3in": (lambda dh, g, u: (fq.sigmoid_f32(g),), 1),
     "fwd_form_3in": (lambda dh, g, u: (g * fq.sigmoid_f32(g) * dh,), 1),
     "dg_u_3in": (lambda dh, g, u: (fq.swiglu_bwd_f32(dh, g, u)[0], u), 2),
+    "silu_3in": (lambda dh, g, u: (g * fq.sigmoid_f32(g),), 1),
+    "dhg_then_s_3in": (lambda dh, g, u: ((dh * g) * fq.sigmoid_f32(g),), 1),
+    "dg_plus_du_3in": (lambda dh, g, u: (sum(fq.swiglu_bwd_f32(dh, g, u)),), 1),
+    "du_dg_swapped": (lambda dh, g, u: fq.swiglu_bwd_f32(dh, g, u)[::-1], 2),
 }
 
 
@@ -56,7 +61,8 @@ def variants(f):
       "dg_only_3in": ("dg_only_3in", (0, 1), three, fq.FusedConfig(64, True)),
       "copy2_2in": ("copy2_2in", (1,), ((0, 0), (0, fb)), fq.FusedConfig(64, False)),
       **{k: (k, (0, 1), three, fq.FusedConfig(64, True))
-         for k in ("du_only_3in", "dh_g_3in", "sig_3in", "fwd_form_3in", "dg_u_3in")},
+         for k in ("du_only_3in", "dh_g_3in", "sig_3in", "fwd_form_3in", "dg_u_3in",
+                   "silu_3in", "dhg_then_s_3in", "dg_plus_du_3in", "du_dg_swapped")},
   }
 
 
