@@ -9,6 +9,7 @@ side by side in one process, at 16384 x 8960 (the 1.5B MLP at 16k tokens):
   fwd            gate, up -> h                 (the fused forward: 1 output, 2 inputs)
   bwd            dh, gate, up -> dgate, dup    (the fused backward as the MLP would run it)
   bwd_noalias    the same, fp8 staging in its own shared memory
+  bwd_unrolled   the same, the two outputs' quantization unrolled (session 17's kernel)
   copy2_3in      dh, gate, up -> dh, gate      (no arithmetic: 3 inputs, 2 outputs)
   copy1_3in      dh, gate, up -> dh            (3 inputs, 1 output)
   dg_only_3in    dh, gate, up -> dgate         (the backward's arithmetic for 1 output)
@@ -56,6 +57,7 @@ def variants(f):
       "fwd": ("swiglu", (1,), ((0, 0), (0, fb)), fq.FusedConfig(64, True)),
       "bwd": ("swiglu_bwd", (0, 1), three, fq.FusedConfig(64, True)),
       "bwd_noalias": ("swiglu_bwd", (0, 1), three, fq.FusedConfig(64, False)),
+      "bwd_unrolled": ("swiglu_bwd", (0, 1), three, fq.FusedConfig(64, True, False)),
       "copy2_3in": ("copy2_3in", (0, 1), three, fq.FusedConfig(64, True)),
       "copy1_3in": ("copy1_3in", (0, 1), three, fq.FusedConfig(64, True)),
       "dg_only_3in": ("dg_only_3in", (0, 1), three, fq.FusedConfig(64, True)),

@@ -5,6 +5,7 @@ checkpoints; reports whether the run came out as if nothing had happened.
       [--quick] [--kills=10] [--signals=5] [--seed=0] [--during_save=0.3]
       [--during_eval=0.2] [--damage=all|none|flip_byte,random_4k,...] [--jobs=2]
       [--workdir=/tmp/fault_injection] [--out=fault_injection.json] [--reuse_reference]
+      [--rounds=1]
       [trainer flags: --config=... --config.a.b=v ...]
 
 1. The reference: the trainer (`python -m infir2_jax.train` with your flags) runs once,
@@ -376,12 +377,15 @@ def _eval_every(trainer_args):
 
 
 def kills_experiment(args, trainer_args, reference, steps, step_time, signum=signal.SIGKILL,
-                     count=None):
+                     count=None, round_index=0):
+  """`count` signals to one run, each at a new start (one_kill), then the run to its end.
+  Round r > 0 (--rounds) is another run directory with its own random moments."""
   count = args.kills if count is None else count
   name = "killed" if signum == signal.SIGKILL else signal.Signals(signum).name.lower()
+  name += f"_r{round_index + 1}" if round_index else ""
   workdir = os.path.join(args.workdir, name)
   shutil.rmtree(workdir, ignore_errors=True)
-  rng = random.Random(args.seed + signum)
+  rng = random.Random(args.seed + signum + 1000 * round_index)
   kills = []
   with open(workdir + ".log", "wb") as log:
     for i in range(count):
@@ -473,12 +477,17 @@ def _damage_outcome(kind, r):
   return "ok" if equal else "corrupt state used"
 
 
+def _round_keys(report, first):
+  """The report keys of an experiment's rounds: first, first_r2, first_r3, ..."""
+  return [k for k in report if k == first or k.startswith(first + "_r")]
+
+
 def _table(report):
-  s = report["kills"]["summary"] if report.get("kills") else None
   rows = ["| fault | runs | resumed | steps lost | final state = reference | losses = "
           "reference | TensorBoard complete, torn files |", "| --- | ---: | --- | ---: | --- | "
           "--- | --- |"]
-  if s:
+  for key in _round_keys(report, "kills"):
+    s = report[key]["summary"]
     rows.append(f"| SIGKILL at random moments ({s['kills_during_checkpoint_write']} during a "
                 f"checkpoint write) | {s['kills']} | {s['resumed_from_a_checkpoint']} from a "
                 f"checkpoint, the others from scratch | {s['steps_lost']} | "
@@ -544,6 +553,9 @@ def main():
   parser.add_argument("--workdir", default="/tmp/fault_injection")
   parser.add_argument("--out", default="fault_injection.json")
   parser.add_argument("--timeout", type=float, default=3600)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="run the kills and signals this many times, each in a new run "
+                      "directory (one run holds ~20 kills before it trains to its end)")
   parser.add_argument("--reuse_reference", action="store_true",
                       help="keep WORKDIR/reference from an earlier call with the same flags")
   args, trainer_args = parser.parse_known_args()
@@ -570,14 +582,17 @@ def main():
     report.update({"steps": steps, "reference_seconds": round(seconds, 1),
                    "startup_seconds": round(startup, 1),
                    "wall_seconds_per_step": round(step_time, 4)})
-    if "kills" in families and args.kills:
-      report["kills"] = kills_experiment(args, trainer_args, reference, steps, step_time)
-      faults += report["kills"]["faults"]
-    if "signals" in families and args.signals:
-      for signum in (signal.SIGTERM, signal.SIGINT):
-        report[signum.name] = kills_experiment(args, trainer_args, reference, steps,
-                                               step_time, signum, args.signals)
-        faults += report[signum.name]["faults"]
+    for r in range(args.rounds):
+      tag = f"_r{r + 1}" if r else ""
+      if "kills" in families and args.kills:
+        report["kills" + tag] = kills_experiment(args, trainer_args, reference, steps,
+                                                 step_time, round_index=r)
+        faults += report["kills" + tag]["faults"]
+      if "signals" in families and args.signals:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+          report[signum.name + tag] = kills_experiment(args, trainer_args, reference, steps,
+                                                       step_time, signum, args.signals, r)
+          faults += report[signum.name + tag]["faults"]
     if "damage" in families:
       report["damage"] = damage_experiment(args, trainer_args, reference, kinds)
       faults += [fault_families.fault("checkpoint damage", d["kind"], d["damage"],
@@ -600,7 +615,8 @@ def main():
   report["summary"] = {c: sum(f["outcome"] == c for f in faults)
                        for c in fault_families.CLASSES}
   report["summary_table"] = fault_families.summary_table(faults)
-  checks = [report[k]["summary"] for k in ("kills", "SIGTERM", "SIGINT") if k in report] + [
+  checks = [report[k]["summary"] for first in ("kills", "SIGTERM", "SIGINT")
+            for k in _round_keys(report, first)] + [
       d for d in report.get("damage", []) if not d["failed"]]
   report["all_equal"] = all(c["final_state_equal"] and c["losses_equal"] and c["evals_equal"]
                             and c["tensorboard_missing_steps"] == 0

@@ -44,6 +44,8 @@ def test_swiglu_quantize_interpret_bit_identical(m, f, fmt, scale_format, config
 @pytest.mark.parametrize("m,f,fmt,scale_format,config", [
     (256, 256, "e4m3", "ue8m0", fused_quantize.FusedConfig(64, True)),
     (136, 128, "e4m3", "fp32", fused_quantize.FusedConfig(128, False)),
+    # the unrolled form (session 17's kernel, over the instruction cache: kept to compare)
+    (256, 128, "e4m3", "ue8m0", fused_quantize.FusedConfig(64, True, loop_outputs=False)),
 ])
 def test_swiglu_bwd_quantize_interpret_bit_identical(m, f, fmt, scale_format, config):
   gu = _gu(m, f, seed=1)
@@ -132,3 +134,4 @@ def test_backward_bisect_benchmark_runs_its_stand_ins_in_interpret_mode(tmp_path
   assert set(rows) == set(fused_bwd_bisect.variants(256))
   assert not [name for name, row in rows.items() if "error" in row], rows
   assert rows["bwd"]["matches_reference"] and rows["bwd_noalias"]["matches_reference"]
+  assert rows["bwd_unrolled"]["matches_reference"]

@@ -205,18 +205,23 @@ def test_grain_workers_die_with_a_killed_trainer(tmp_path):
 
 @pytest.mark.slow
 def test_fault_injection_script_sigkills_lose_nothing(tmp_path):
-  """The script on the tiny run: 2 SIGKILLs (one aimed at a checkpoint write in flight);
-  every loss, the final state and TensorBoard equal the uninterrupted run's (TensorBoard
-  used to lack the steps its writer had not flushed, and to keep torn files)."""
+  """The script on the tiny run: 2 rounds (--rounds, each its own run directory) of one
+  SIGKILL each (half aimed at a checkpoint write in flight); every loss, the final state
+  and TensorBoard equal the uninterrupted run's in both (TensorBoard used to lack the steps
+  its writer had not flushed, and to keep torn files)."""
   out = str(tmp_path / "report.json")
   result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "scripts", "fault_injection.py"), "--families=kills", "--kills=2",
+      [sys.executable, os.path.join(ROOT, "scripts", "fault_injection.py"), "--families=kills", "--kills=1",
+       "--rounds=2",
        "--during_save=0.5", "--damage=none", f"--workdir={tmp_path / 'runs'}",
        f"--out={out}", *_args(steps=12, **{"checkpoint.every_steps": 4,
                                            "eval.every_steps": 8})],
       cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-  summary = json.load(open(out))["kills"]["summary"]
-  assert summary["kills"] >= 1 and summary["leaked_processes"] == 0
-  assert summary["final_state_equal"] and summary["losses_equal"] and summary["evals_equal"]
-  assert summary["tensorboard_missing_steps"] == 0 and summary["tensorboard_torn_files"] == 0
+  report = json.load(open(out))
+  assert os.path.isdir(tmp_path / "runs" / "killed_r2")
+  for key in ("kills", "kills_r2"):
+    summary = report[key]["summary"]
+    assert summary["kills"] >= 1 and summary["leaked_processes"] == 0
+    assert summary["final_state_equal"] and summary["losses_equal"] and summary["evals_equal"]
+    assert summary["tensorboard_missing_steps"] == 0 and summary["tensorboard_torn_files"] == 0

@@ -128,10 +128,10 @@ def block_rows(n: int, most: int = BLOCK_ROWS) -> int:
   return math.gcd(n, 1 << (most.bit_length() - 1))
 
 
-def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=BLOCK_ROWS,
-                  interpret=None, **hyper):
-  """adam_rows as a Pallas kernel: one program per block of R rows (groups)."""
-  r = block_rows(g_NxG.shape[0], most_rows)
+def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=None, interpret=None, **hyper):
+  """adam_rows as a Pallas kernel: one program per block of R rows (groups); most_rows
+  defaults to BLOCK_ROWS as it is when traced (benchmarks/moments_update.py sweeps it)."""
+  r = block_rows(g_NxG.shape[0], most_rows or BLOCK_ROWS)
   args = (g_NxG, *m_parts, *v_parts, bcs)
   if interpret is None:   # Triton where it is lowered for CUDA (also ahead of time, on a CPU)
     out = jax.lax.platform_dependent(

@@ -47,9 +47,15 @@ class FusedConfig:
       64): narrower pieces hold fewer registers per thread (the backward reads three inputs).
     alias_outputs: put the fp8 staging buffers in the last input's shared memory (a
       RefUnion), which leaves room for more CTAs per SM.
+    loop_outputs: quantize the outputs in a loop (scf.for) over one [n_out, 128, 128]
+      buffer instead of unrolled, one copy of the code per output. The unrolled backward
+      (two outputs) is ~9,400 SASS instructions, ~150 KB: more than the SM's instruction
+      cache, so its few warps stall on instruction fetch and it ran 5x slower than every
+      variant under ~6,700 (benchmarks/NOTES_kernels.md, session 18).
   """
   producer_cols: int = 64
   alias_outputs: bool = True
+  loop_outputs: bool = True
 
   def __post_init__(self):
     if self.producer_cols not in (64, 128):
@@ -126,34 +132,51 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
   rows = pl.ds(mi * TILE, TILE)
   dtype = formats.get_format(fmt).dtype
 
+  looped = config.loop_outputs and n_out > 1
+
   def scoped(*scratch):
+    if looped:  # the first n_out inputs (then outputs) in one buffer, indexable in a loop
+      out_bufs, *scratch = scratch
     if config.alias_outputs:
       *bufs, union, s_smem, st_smem, bar = scratch
       last, (q_smem, qt_smem) = union  # the last input, then (q, qT) over its memory
       bufs = (*bufs, last)
     else:
-      bufs, (q_smem, qt_smem, s_smem, st_smem, bar) = (scratch[:len(sources)],
-                                                       scratch[len(sources):])
+      n_rest = len(sources) - (n_out if looped else 0)
+      bufs, (q_smem, qt_smem, s_smem, st_smem, bar) = scratch[:n_rest], scratch[n_rest:]
+    if looped:
+      bufs = (*(out_bufs.at[j] for j in range(n_out)), *bufs)
     for i, (array, offset) in enumerate(sources):
       plgpu.copy_gmem_to_smem(in_gmem[array].at[rows, pl.ds((offset + ki) * TILE, TILE)],
                               bufs[i], bar.at[i])
     for i in range(len(sources)):
       plgpu.barrier_wait(bar.at[i])
     cols = config.producer_cols
-    for h in range(2):  # the producer; its bf16 outputs replace the first n_out inputs
-      for c in range(TILE // cols):
-        piece = (pl.ds(h * HALF, HALF), pl.ds(c * cols, cols))
-        xs = [plgpu.load(b.at[piece], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-              for b in bufs]
-        for b, y in zip(bufs, producer(*xs)):
-          b[piece] = y.astype(jnp.bfloat16)
+    per_row = TILE // cols
+
+    def produce(h, c):  # the producer; its bf16 outputs replace the first n_out inputs
+      aligned = lambda i, n: i * n if isinstance(i, int) else pl.multiple_of(i * n, n)
+      piece = (pl.ds(aligned(h, HALF), HALF), pl.ds(aligned(c, cols), cols))
+      xs = [plgpu.load(b.at[piece], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            for b in bufs]
+      for b, y in zip(bufs, producer(*xs)):
+        b[piece] = y.astype(jnp.bfloat16)
+
+    if looped:  # one copy of the producer's code, as of the quantization's
+      lax.fori_loop(0, 2 * per_row,
+                    lambda p, carry: produce(p // per_row, p % per_row) or carry, 0)
+    else:
+      for h in range(2):
+        for c in range(per_row):
+          produce(h, c)
     plgpu.commit_smem()
-    for j in range(n_out):
-      if j:  # the previous output's TMA stores must have read q_smem / qt_smem
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      quantize_block_tiles(bufs[j], q_smem, s_smem, transposed=False, fmt=fmt,
+
+    def quantize_output(j, src):
+      # The previous output's TMA stores must have read q_smem / qt_smem (none at j = 0).
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      quantize_block_tiles(src, q_smem, s_smem, transposed=False, fmt=fmt,
                            scale_format=scale_format)
-      quantize_block_tiles(bufs[j], qt_smem, st_smem, transposed=True, fmt=fmt,
+      quantize_block_tiles(src, qt_smem, st_smem, transposed=True, fmt=fmt,
                            scale_format=scale_format)
       plgpu.commit_smem()
       kb = j * fb + ki
@@ -163,13 +186,22 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
       plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[cols, rows])
       plgpu.copy_smem_to_gmem(st_smem, st_gmem.at[pl.ds(mi, 1), cols])
       if with_values:
-        plgpu.copy_smem_to_gmem(bufs[j], v_gmem[0].at[rows, cols])
+        plgpu.copy_smem_to_gmem(src, v_gmem[0].at[rows, cols])
+
+    if looped:
+      lax.fori_loop(0, n_out, lambda j, carry: quantize_output(j, out_bufs.at[j]) or carry,
+                    0)
+    else:
+      for j in range(n_out):
+        quantize_output(j, bufs[j])
     plgpu.wait_smem_to_gmem(0)
 
   bf16 = jnp.bfloat16
   block = lambda t: plgpu.SMEM((TILE, TILE), t, transforms=smem_transforms(t))
   staging = [block(dtype), block(dtype)]
   inputs = [block(bf16) for _ in sources]
+  if looped:  # one [n_out, 128, 128] buffer for the first n_out inputs
+    inputs[:n_out] = [plgpu.SMEM((n_out, TILE, TILE), bf16, transforms=smem_transforms(bf16))]
   if config.alias_outputs:
     inputs[-1] = plgpu.RefUnion(inputs[-1], staging)
     staging = []
