@@ -18,6 +18,7 @@
 #        configs/1p5b.py:fast's infir2, that with FA3 varlen, that with Adam's moments in FP8),
 #        fusedbwd (the fused SwiGLU backward's GPU test and bisect, then 1.5B at 2 x 8192,
 #        profiled, unrolled: bf16, the fast infir2 without and with precision.fused_mlp_backward),
+#        7bfused (7B at 4 x 4096, document mask: bf16, infir2, infir2 without the fused backward),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
@@ -110,10 +111,16 @@ elif [[ $STAGE == fusedbwd ]]; then
   timeout 120 python3 benchmarks/fused_bwd_bisect.py --out="$OUT/fused_bwd_bisect.json" 2>&1 \
     | grep -v "^W0000\|^I0000" | tail -12
   timeout $((DEADLINE + 200)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
-    --recipes=bf16~model.scan_layers=False,infir2~$F,infir2~$F~precision.fused_mlp_backward=True \
+    --recipes=bf16~model.scan_layers=False,infir2~$F~precision.fused_mlp_backward=False,infir2~$F \
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=200 \
     --deadline_s="$DEADLINE" --profile_dir=/tmp/prof \
     --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -40
+elif [[ $STAGE == 7bfused ]]; then
+  timeout $((DEADLINE + 230)) python3 benchmarks/train_step.py --config=configs/7b.py \
+    --recipes=bf16,infir2,infir2~precision.fused_mlp_backward=False \
+    --seq_lens=4096 "${COMMON[@]}" --override=steps=16 --steps=12 --variant_timeout_s=230 \
+    --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 \
+    | grep -vE "onstant.folding|slow_operation|^$" | tail -30
 elif [[ $STAGE == 7b ]]; then
   timeout $((DEADLINE + 230)) python3 benchmarks/train_step.py --config=configs/7b.py \
     --recipes=bf16,infir2~opt.moments=fp8,infir2,infir2~opt.moments=bf16 \

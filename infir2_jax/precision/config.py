@@ -49,7 +49,9 @@ class PrecisionConfig:
     fused_mlp_backward: in the fused MLP on Hopper, SwiGLU's backward and the quantization
       of dgate and dup as one kernel (kernels.swiglu_bwd_quantize) instead of XLA's SwiGLU
       backward and one quantize kernel: the same quantization of the values made, which
-      may differ from XLA's in the last bit of exp/division in a few per million.
+      may differ from XLA's in the last bit of exp/division in a few per million. On the
+      H200 575 us against 710 at 1.5B/16k tokens, 0.983x the step (session 18); False
+      gives back the XLA form.
   """
   recipe: str = "bf16"
   overrides: tuple[str, ...] = ()
@@ -57,7 +59,7 @@ class PrecisionConfig:
   telemetry_every_steps: int = 0
   quantize_lm_head: bool = False
   fused_mlp: bool = True
-  fused_mlp_backward: bool = False
+  fused_mlp_backward: bool = True
 
   def __post_init__(self):
     if isinstance(self.overrides, str):

@@ -42,11 +42,10 @@ from infir2_jax.precision.quantize import QTensor, resolve_tile
 from infir2_jax.precision.recipes import Recipe, get_recipe
 
 TILE = 128
-# kernels.swiglu_bwd_quantize runs 3.6x slower on the H200 than XLA's SwiGLU backward and
-# one quantize_tiles of dgu (2518 vs 709 us at 16384 x 8960), though the same kernel body
-# making dgate alone runs at 419 us and copying two of its inputs to two outputs at 472
-# (benchmarks/fused_bwd_bisect.py, NOTES_kernels.md), so precision.fused_mlp_backward is
-# off by default until the cause is found.
+# kernels.swiglu_bwd_quantize: 575 us on the H200 against 710 for XLA's SwiGLU backward and
+# one quantize_tiles of dgu at 16384 x 8960, once its code fits the instruction cache
+# (session 17's unrolled kernel, 9,680 instructions, took 2,518 us; benchmarks/
+# fused_bwd_bisect.py, NOTES_kernels.md), so precision.fused_mlp_backward is on by default.
 
 
 def supports(recipe: "Recipe | str") -> bool:
