@@ -26,6 +26,8 @@ checkpoints; reports whether the run came out as if nothing had happened.
    concurrent trainers/exports/evaluations): each fault is one start whose outcome is put
    in a class (ok, data lost, corrupt state used, silently wrong, hang, leak, unclear
    error); `--families=cheap` runs the ones that need no training.
+They run in the order reference, damage, families, then the kill and signal rounds
+(`--rounds`, the longest part); OUT.partial.json holds what has run until OUT is written.
 Each faulted run is compared with the reference: every train and eval loss, and the final
 checkpoint (every array of the state, and the data iterator's position), bit for bit; and
 TensorBoard: each step's loss scalar present (purge semantics) and no torn event file.
@@ -573,6 +575,13 @@ def main():
             "device": f"{platform.machine()} CPU, {os.cpu_count()} cores, {platform.system()}",
             "trainer_args": trainer_args, "families": families}
   faults = []
+
+  def save_partial():  # what has run survives a run cut short: OUT.partial.json
+    report["faults"] = faults
+    with open(args.out + ".partial.json", "w") as f:
+      json.dump(report, f, indent=2)
+
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   if any(f in EXPERIMENTS for f in families):
     reference, seconds, startup = _reference(args, trainer_args)
     steps = max(_metrics(reference)[0])
@@ -582,22 +591,12 @@ def main():
     report.update({"steps": steps, "reference_seconds": round(seconds, 1),
                    "startup_seconds": round(startup, 1),
                    "wall_seconds_per_step": round(step_time, 4)})
-    for r in range(args.rounds):
-      tag = f"_r{r + 1}" if r else ""
-      if "kills" in families and args.kills:
-        report["kills" + tag] = kills_experiment(args, trainer_args, reference, steps,
-                                                 step_time, round_index=r)
-        faults += report["kills" + tag]["faults"]
-      if "signals" in families and args.signals:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-          report[signum.name + tag] = kills_experiment(args, trainer_args, reference, steps,
-                                                       step_time, signum, args.signals, r)
-          faults += report[signum.name + tag]["faults"]
     if "damage" in families:
       report["damage"] = damage_experiment(args, trainer_args, reference, kinds)
       faults += [fault_families.fault("checkpoint damage", d["kind"], d["damage"],
                                       d["outcome"], "; ".join(d["reported"])[:300])
                  for d in report["damage"]]
+      save_partial()
   ctx = fault_families.Context(args, trainer_args)
   for name in families:
     if name in fault_families.FAMILIES:
@@ -610,6 +609,21 @@ def main():
       for f in got:
         print(f"{f['family']}: {f['fault']}: {f['outcome']} ({f['detail']})", flush=True)
       faults += got
+      save_partial()
+  if any(f in EXPERIMENTS for f in families):  # the kill rounds last: they take the longest
+    for r in range(args.rounds):
+      tag = f"_r{r + 1}" if r else ""
+      if "kills" in families and args.kills:
+        report["kills" + tag] = kills_experiment(args, trainer_args, reference, steps,
+                                                 step_time, round_index=r)
+        faults += report["kills" + tag]["faults"]
+        save_partial()
+      if "signals" in families and args.signals:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+          report[signum.name + tag] = kills_experiment(args, trainer_args, reference, steps,
+                                                       step_time, signum, args.signals, r)
+          faults += report[signum.name + tag]["faults"]
+          save_partial()
   report["faults"] = faults
   report["wall_seconds"] = round(time.monotonic() - t0, 1)
   report["summary"] = {c: sum(f["outcome"] == c for f in faults)
@@ -623,9 +637,10 @@ def main():
                             and c["tensorboard_torn_files"] == 0 for c in checks)
   report["all_ok"] = (report["all_equal"] and all(f["outcome"] == "ok" for f in faults)
                       and not report.get("family_errors"))
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(report, f, indent=2)
+  if os.path.exists(args.out + ".partial.json"):
+    os.remove(args.out + ".partial.json")
   if "kills" in report or "damage" in report:
     print(_table(report))
   print(report["summary_table"])
