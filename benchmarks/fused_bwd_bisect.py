@@ -3,6 +3,9 @@ factor at a time.
 
   PYTHONPATH=. python3 benchmarks/fused_bwd_bisect.py --out /tmp/bisect.json
   PYTHONPATH=. python3 benchmarks/fused_bwd_bisect.py --shape=256x256 --interpret   # CPU
+  CUDA_ROOT=<dir with bin/ptxas, bin/nvdisasm> JAX_PLATFORMS=cpu \
+  INFIR2_GPU_TARGET_CONFIG=$PWD/benchmarks/gpu_target_configs/h200.txtpb PYTHONPATH=. \
+      /tmp/gpuaot/bin/python benchmarks/fused_bwd_bisect.py --sass --out /tmp/sass.json
 
 kernels/fused_quantize.py's kernel body with stand-in producers, device time (CUPTI) each,
 side by side in one process, at 16384 x 8960 (the 1.5B MLP at 16k tokens):
@@ -17,7 +20,11 @@ side by side in one process, at 16384 x 8960 (the 1.5B MLP at 16k tokens):
   du_only_3in, dh_g_3in, sig_3in, fwd_form_3in, dg_u_3in, silu_3in, dhg_then_s_3in,
   dg_plus_du_3in (both formulas, one output), du_dg_swapped (dup made first): the dup side
   separate       XLA's SwiGLU backward, then one quantize_tiles of [dgate | dup]
-GB/s counts each variant's own inputs read once and fp8 outputs written once. Session 17
+GB/s counts each variant's own inputs read once and fp8 outputs written once. --sass
+compiles each variant for the H200 on a CPU host instead (deviceless, gpu_target_configs/
+README.md; nvdisasm from the PyPI wheel nvidia-cuda-nvdisasm) and records the kernel's
+SASS size and ptxas' registers: session 18 found the 5x slow variants are exactly those
+over ~6,700 instructions (~105 KB), past the SM's instruction cache. Session 17
 also timed the backward computing one output per pass over the block (2952-3072 us, slower
 than the joint producer; that option is not kept).
 """
@@ -75,7 +82,11 @@ def main(argv):
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--interpret", action="store_true", help="CPU smoke test (no timing)")
   p.add_argument("--variants", default="", help="comma-separated subset (default: all)")
+  p.add_argument("--sass", action="store_true",
+                 help="deviceless: SASS instructions and registers of each variant, no timing")
   args = p.parse_args(argv)
+  if args.sass:
+    return sass_sizes(args)
   m, f = map(int, args.shape.split("x"))
   fq.PRODUCERS.update(STAND_INS)
   k1, k2 = jax.random.split(jax.random.key(0))
@@ -118,6 +129,59 @@ def main(argv):
     result["rows"]["separate"] = {"bytes": b, "us": ms * 1e3, "gbps": b / (ms * 1e-3) / 1e9,
                                   "kernels": benchtools.kernel_breakdown(fn, (dh, gu))}
     print(f"separate     us={ms * 1e3:.1f} gbps={b / (ms * 1e-3) / 1e9:.0f}", flush=True)
+  if args.out:
+    with open(args.out, "w") as fh:
+      json.dump(result, fh, indent=1)
+
+
+def sass_sizes(args):
+  """{variant: {instructions, registers}} of each variant compiled for $INFIR2_GPU_TARGET_CONFIG;
+  Mosaic GPU prints ptxas' report and the SASS to fd 1, read back from a temporary file."""
+  import os
+  import re
+  import tempfile
+  import linear_kernels  # benchmarks/ is sys.path[0]
+  import sass_opcodes
+  os.environ["MOSAIC_GPU_DUMP_SASS"] = os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  device = linear_kernels.h200_device()
+  m, f = map(int, args.shape.split("x"))
+  fq.PRODUCERS.update(STAND_INS)
+  mesh = jax.sharding.Mesh([device], ("x",))
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  specs = (jax.ShapeDtypeStruct((m, f), jnp.bfloat16, sharding=rep),
+           jax.ShapeDtypeStruct((m, 2 * f), jnp.bfloat16, sharding=rep))
+  chosen = variants(f)
+  if args.variants:
+    chosen = {k: chosen[k] for k in args.variants.split(",")}
+  result = {"info": benchtools.run_info(["benchmarks/fused_bwd_bisect.py", "--sass"],
+                                        with_device=False),
+            "device": f"deviceless compile for {device.device_kind}", "shape": [m, f],
+            "rows": {}}
+  for name, (producer, which, sources, config) in chosen.items():
+    fn = jax.jit(lambda *a, producer=producer, sources=sources, config=config: fq._run(
+        producer, list(a), sources, f, "e4m3", "ue8m0", False, False, config))
+    with tempfile.TemporaryFile("w+") as dump:
+      sys.stdout.flush()
+      saved = os.dup(1)
+      os.dup2(dump.fileno(), 1)
+      try:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+          fn.trace(*[specs[i] for i in which]).lower(lowering_platforms=("cuda",)).compile()
+      finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+      dump.seek(0)
+      text = dump.read()
+    counts = sass_opcodes.opcode_counts(text.splitlines())
+    kernel = [c for k, c in counts.items() if fq.FUSED_KERNEL_NAME in k]
+    regs = re.findall(r"Used (\d+) registers", text)
+    row = {"instructions": sum(kernel[0].values()) if kernel else None,
+           "registers": int(regs[0]) if regs else None}
+    if row["instructions"] is None:
+      row["error"] = "no SASS in the dump (is nvdisasm in $CUDA_ROOT/bin?): " + text[-300:]
+    result["rows"][name] = row
+    print(f"{name:16s} {row}", flush=True)
   if args.out:
     with open(args.out, "w") as fh:
       json.dump(result, fh, indent=1)
