@@ -98,6 +98,13 @@ def run(ctx, args, timeout=None, preexec_fn=None, env=None):
   return {"rc": rc, "output": out, "seconds": round(time.monotonic() - t0, 1)}
 
 
+def kept(result, workdir):
+  """result, its output also kept as WORKDIR.log (what an unclear outcome is read from)."""
+  with open(workdir.rstrip("/") + ".log", "w") as f:
+    f.write(result["output"] or "")
+  return result
+
+
 def judge_failure(result, says):
   """The outcome of a start that must fail with one `error:` line containing `says`."""
   if result["rc"] is None:
@@ -105,9 +112,16 @@ def judge_failure(result, says):
   lines = [l for l in result["output"].splitlines() if l.startswith("error: ")]
   if result["rc"] == 0:
     return "silently wrong", "exit status 0"
-  if "Traceback" in result["output"] or len(lines) != 1:
+  if "Traceback" in result["output"]:
+    out = result["output"].splitlines()
+    start = next(i for i, l in enumerate(out) if "Traceback" in l)
+    raised = next((l for l in out[start + 1:] if l and not l[0].isspace()), "")
+    return "unclear error", f"a traceback (line {start + 1}, {raised[:200]!r}); " + (
+        f"error lines: {lines[0][:150]!r}" if lines else "no error line")
+  if len(lines) != 1:
     tail = result["output"].strip().splitlines()[-1:] or [""]
-    return "unclear error", f"traceback or no single error line: {tail[0][:300]}"
+    return "unclear error", (f"{len(lines)} error lines: {[l[:120] for l in lines[:3]]}"
+                             if lines else f"no error line; last: {tail[0][:300]}")
   if not re.search(says, lines[0]):
     return "unclear error", f"{lines[0][:300]} (does not say {says!r})"
   return "ok", lines[0][:300]
@@ -463,8 +477,8 @@ def family_disk(ctx):
       resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
       signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # EFBIG, not a killed process
     # to 16 steps, so that training on to the end after the failed save at 6 would show
-    r = run(ctx, ["-m", "infir2_jax.train", *ctx.base_flags(16), f"--workdir={workdir}"],
-            preexec_fn=cap)
+    r = kept(run(ctx, ["-m", "infir2_jax.train", *ctx.base_flags(16), f"--workdir={workdir}"],
+                 preexec_fn=cap), workdir)
     outcome, detail = judge_failure(r, r"EFBIG|[Ff]ile too large|file size|disk|space")
     steps = [rec["step"] for rec in rundir.read_metrics(workdir) if "loss" in rec]
     # The save at 6 fails in the background; the loop learns it at the first poll after

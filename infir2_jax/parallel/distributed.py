@@ -10,8 +10,10 @@ A multi-process job is described, in order of precedence, by
 Anything else is a single-process run and jax.distributed is left alone.
 """
 
+import contextlib
 import dataclasses
 import os
+import threading
 from collections.abc import Mapping
 
 import jax
@@ -156,6 +158,49 @@ def enable_compilation_cache() -> str:
   cache_dir = os.environ.get("INFIR2_COMPILATION_CACHE",
                              os.path.expanduser("~/.cache/infir2_jax/jax_cache"))
   if cache_dir:
+    install_atomic_cache_writes()
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 2.0)
   return cache_dir
+
+
+def install_atomic_cache_writes() -> bool:
+  """Makes JAX's persistent-cache writes atomic (a temporary file, then os.replace), and lets
+  a rewrite replace an entry that is already there. Returns whether the patch is in place.
+
+  JAX 0.11's LRUCache.put writes the entry in place and never rewrites a key that exists.
+  So a process killed mid-write, a full disk or a file-size limit (EFBIG) leaves a truncated
+  entry behind, and it stays. Every later start that needs that program warns "Error
+  reading persistent compilation cache entry ... truncated stream" and compiles it again,
+  and the warm start-up is lost for good (found by scripts/fault_injection.py's disk
+  family, session 18). JAX only writes a key after its read missed or failed, so replacing
+  the file heals such an entry; a concurrent writer of the same key writes the same program.
+  Only the local, unbounded cache is patched (jax_compilation_cache_max_size unset): with
+  eviction on, JAX's own put and its lock stay."""
+  from jax._src import lru_cache  # pylint: disable=g-import-not-at-top
+  cls = getattr(lru_cache, "LRUCache", None)
+  original = getattr(cls, "put", None)
+  if original is None:
+    return False
+  if getattr(original, "infir2_atomic", False):
+    return True
+  suffix = getattr(lru_cache, "_CACHE_SUFFIX", "-cache")
+
+  def put(self, key: str, value: bytes) -> None:
+    if (not key or getattr(self, "eviction_enabled", True)
+        or not getattr(self, "_is_local", False)):
+      return original(self, key, value)
+    path = os.path.join(str(self.path), f"{key}{suffix}")
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+      with open(tmp, "wb") as f:
+        f.write(value)
+      os.replace(tmp, path)
+    except BaseException:
+      with contextlib.suppress(OSError):
+        os.remove(tmp)
+      raise
+
+  put.infir2_atomic = True
+  cls.put = put
+  return True
