@@ -75,6 +75,22 @@ def variants(f):
   }
 
 
+def chosen_variants(args):
+  """(m, f, {name: variant}) of --shape and --variants, the stand-ins registered."""
+  m, f = map(int, args.shape.split("x"))
+  fq.PRODUCERS.update(STAND_INS)
+  chosen = variants(f)
+  if args.variants:
+    chosen = {k: chosen[k] for k in args.variants.split(",")}
+  return m, f, chosen
+
+
+def kernel_fn(producer, sources, f, config, interpret=False):
+  """The jitted fused kernel of one variant (its arrays as positional arguments)."""
+  return jax.jit(lambda *a: fq._run(producer, list(a), sources, f, "e4m3", "ue8m0",
+                                    interpret, False, config))
+
+
 def main(argv):
   p = argparse.ArgumentParser()
   p.add_argument("--out", default="")
@@ -87,8 +103,7 @@ def main(argv):
   args = p.parse_args(argv)
   if args.sass:
     return sass_sizes(args)
-  m, f = map(int, args.shape.split("x"))
-  fq.PRODUCERS.update(STAND_INS)
+  m, f, chosen = chosen_variants(args)
   k1, k2 = jax.random.split(jax.random.key(0))
   gu = jax.random.normal(k1, (m, 2 * f), jnp.bfloat16) * 2
   dh = jax.random.normal(k2, (m, f), jnp.bfloat16) * 1e-2
@@ -98,13 +113,9 @@ def main(argv):
                                         with_device=not args.interpret),
             "shape": [m, f], "rows": {}}
   want = fq.swiglu_bwd_quantize_reference(dh, gu)
-  chosen = variants(f)
-  if args.variants:
-    chosen = {k: chosen[k] for k in args.variants.split(",")}
   for name, (producer, which, sources, config) in chosen.items():
     arrays = [inputs[i] for i in which]
-    fn = jax.jit(lambda *a, producer=producer, sources=sources, config=config: fq._run(
-        producer, list(a), sources, f, "e4m3", "ue8m0", args.interpret, False, config))
+    fn = kernel_fn(producer, sources, f, config, args.interpret)
     try:
       out = jax.block_until_ready(fn(*arrays))
       row = {"bytes": nbytes(arrays) + nbytes(out)}
@@ -144,22 +155,17 @@ def sass_sizes(args):
   import sass_opcodes
   os.environ["MOSAIC_GPU_DUMP_SASS"] = os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
   device = linear_kernels.h200_device()
-  m, f = map(int, args.shape.split("x"))
-  fq.PRODUCERS.update(STAND_INS)
+  m, f, chosen = chosen_variants(args)
   mesh = jax.sharding.Mesh([device], ("x",))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   specs = (jax.ShapeDtypeStruct((m, f), jnp.bfloat16, sharding=rep),
            jax.ShapeDtypeStruct((m, 2 * f), jnp.bfloat16, sharding=rep))
-  chosen = variants(f)
-  if args.variants:
-    chosen = {k: chosen[k] for k in args.variants.split(",")}
   result = {"info": benchtools.run_info(["benchmarks/fused_bwd_bisect.py", "--sass"],
                                         with_device=False),
             "device": f"deviceless compile for {device.device_kind}", "shape": [m, f],
             "rows": {}}
   for name, (producer, which, sources, config) in chosen.items():
-    fn = jax.jit(lambda *a, producer=producer, sources=sources, config=config: fq._run(
-        producer, list(a), sources, f, "e4m3", "ue8m0", False, False, config))
+    fn = kernel_fn(producer, sources, f, config)
     with tempfile.TemporaryFile("w+") as dump:
       sys.stdout.flush()
       saved = os.dup(1)

@@ -21,7 +21,9 @@ in registers and leaves its bf16 outputs in shared memory (over the input buffer
 longer needs); then each output is quantized as quantize.py does (rows from a register load,
 token tiles from a transposed load) and written by TMA, its scales K-block-major as the GEMM
 reads them. With FusedConfig.alias_outputs the fp8 staging buffers share the memory of the
-last input, dead once the producer has run, so more CTAs fit on an SM.
+last input, dead once the producer has run, so more CTAs fit on an SM. With several outputs
+(FusedConfig.loop_outputs) the producer's pieces and the outputs' quantization are loops, so
+the code stays within the SM's instruction cache.
 """
 import dataclasses
 import functools
