@@ -60,6 +60,11 @@ def _parse():
                       "one-off start-up (CUDA, page cache) that the later ones do not")
   p.add_argument("--deadline_s", type=float, default=0,
                  help="start no variant after this many seconds (0: no limit)")
+  p.add_argument("--timing", choices=("pipelined", "blocked"), default="pipelined",
+                 help="median_step_s as the trainer runs steps (pipelined: the next step is "
+                      "queued while one runs) or each step waited for (blocked: sessions <= 18)")
+  p.add_argument("--other_timing_steps", type=int, default=6,
+                 help="then this many steps timed the other way (0: none)")
   p.add_argument("--out", default="")
   p.add_argument("--profile_dir", default="")
   p.add_argument("--hlo_dir", default="",
@@ -154,17 +159,20 @@ def run_one(args, label: str, seq_len: int) -> dict:
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t0
     device_batches = [jax.device_put(b, batch_sharding) for b in batches]
-    losses, times = [], []
     with sampled:
-      for i, batch in enumerate(device_batches):
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        losses.append(float(metrics["loss"]))  # blocks: one step's wall time
-        if i >= WARMUP_STEPS:
-          times.append(time.perf_counter() - t0)
-    return state, losses, times, init_s, device_batches[-1]
+      state, losses, times = timed_steps(compiled, state, device_batches, args.timing)
+    return state, losses, times, init_s, device_batches
 
-  state, losses, times, init_s, last_batch = train(host_batches, telemetry)
+  state, losses, times, init_s, device_batches = train(host_batches, telemetry)
+  last_batch = device_batches[-1]
+  # the other timing on a few more steps (same batches again): what a step costs when the
+  # host waits for each one (blocked) vs when the next is queued while it runs (pipelined)
+  other = "blocked" if args.timing == "pipelined" else "pipelined"
+  extra = device_batches[-(args.other_timing_steps + WARMUP_STEPS):] if (
+      args.other_timing_steps) else []
+  other_times = []
+  if extra:
+    state, _, other_times = timed_steps(compiled, state, extra, other)
   trace_dir = ""
   if args.profile_dir:
     trace_dir = os.path.join(args.profile_dir, f"{label.replace('~', '_')}_{seq_len}")
@@ -191,7 +199,9 @@ def run_one(args, label: str, seq_len: int) -> dict:
       "compiled_temp_gib": getattr(memory, "temp_size_in_bytes", 0) / 2**30,
       "compile_s": compile_s, "init_s": init_s, "losses": losses, "noise_losses": noise_losses,
       "max_documents_per_row": max(documents),
-      "step_times_s": times,
+      "step_times_s": times, "timing_method": args.timing,
+      f"{other}_median_step_s": float(np.median(other_times)) if other_times else None,
+      f"{other}_step_times_s": other_times,
       "hlo_fp8_gemms": hlo_counts, "remat": cfg.model.remat, "attention": cfg.model.attention,
       "backend": cfg.precision.backend,
       "gpu_telemetry": telemetry.summary if jax.default_backend() == "gpu" else None,
@@ -200,6 +210,41 @@ def run_one(args, label: str, seq_len: int) -> dict:
     from infir2_jax.bench.profile import summarize_trace
     result["profile"] = summarize_trace(trace_dir)
   return result
+
+
+def timed_steps(step, state, batches, timing: str):
+  """Runs `step` over `batches`: (state, losses, wall times of the steps after the first
+  WARMUP_STEPS).
+
+  pipelined (the trainer's loop, train/trainer.py): step N+1 is dispatched before step N's
+  loss is read, and a step's time is the wall time between consecutive loss reads, so the
+  host's dispatch of a step overlaps the device's work on the one before.
+  blocked: each step's loss is read before the next is dispatched; its time includes the
+  dispatch and the read-back the pipelined loop hides.
+  """
+  losses, times = [], []
+  if timing == "blocked":
+    for i, batch in enumerate(batches):
+      t0 = time.perf_counter()
+      state, metrics = step(state, batch)
+      losses.append(float(metrics["loss"]))
+      if i >= WARMUP_STEPS:
+        times.append(time.perf_counter() - t0)
+    return state, losses, times
+  if timing != "pipelined":
+    raise ValueError(f"timing {timing!r}: pipelined or blocked")
+  pending, last_read = None, None
+  for batch in list(batches) + [None]:
+    if batch is not None:
+      state, metrics = step(state, batch)
+    if pending is not None:
+      losses.append(float(pending["loss"]))  # blocks until the previous step is done
+      now = time.perf_counter()
+      if last_read is not None and len(losses) > WARMUP_STEPS:
+        times.append(now - last_read)
+      last_read = now
+    pending = metrics if batch is not None else None
+  return state, losses, times
 
 
 def xla_bf16_gemm_tflops(n: int = 8192, reps: int = 20) -> float:
@@ -334,6 +379,11 @@ def _table(results):
           f"{r.get('peak_memory_vs_bf16', float('nan')):7.3f} "
           f"{sum(r['hlo_fp8_gemms'].values()) if isinstance(r['hlo_fp8_gemms'], dict) else r['hlo_fp8_gemms']:>10} "
           f"{r['compile_s']:9.1f}", flush=True)
+    other = next((k for k in ("blocked_median_step_s", "pipelined_median_step_s")
+                  if r.get(k)), None)
+    if other:
+      print(f"    timing {r.get('timing_method', 'blocked')}; {other.split('_')[0]}: "
+            f"{1e3 * r[other]:.1f} ms/step over {len(r[other.replace('median_step_s', 'step_times_s')])} steps")
     telemetry = r.get("gpu_telemetry") or {}
     if "sm_mhz_median" in telemetry:
       print(f"    while training: SM clock median {telemetry['sm_mhz_median']:.0f} MHz "
@@ -348,6 +398,11 @@ def _table(results):
       print(f"    kernels: {c['summed_ms']:.1f} ms summed, {c['busy_ms']:.1f} ms busy; ran beside "
             "another kernel: " + ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(
                 c["overlapped_ms_by_kind"].items(), key=lambda kv: -kv[1])))
+    idle = profile.get("idle") or {}
+    if idle:
+      print(f"    traced step: {idle['kernels']} kernels over {idle['span_ms']:.1f} ms, idle "
+            f"{idle['idle_ms']:.1f} ms; gaps " + ", ".join(
+                f"{k} {v['count']} ({v['ms']:.1f} ms)" for k, v in idle["gaps_by_size"].items()))
     for g in profile.get("fp8_gemm_by_problem", [])[:12]:
       print(f"    fp8 gemm {g['m']}x{g['n']}x{g['k']} n{g['tile_n']} split{g['split_k']}: "
             f"{g['calls']} calls, {g['ms']:.1f} ms, {g['tflops']:.0f} TFLOP/s")

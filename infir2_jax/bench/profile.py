@@ -55,8 +55,8 @@ def concurrency(intervals) -> dict:
   A kernel that shares the SMs with another (XLA runs some copies and fusions on other
   streams) takes longer than alone, and a persistent kernel sized for every SM (ours) waits
   for SMs that another kernel holds."""
-  edges = sorted([(s, 1, i) for i, (s, _, _) in enumerate(intervals)] +
-                 [(e, -1, i) for i, (_, e, _) in enumerate(intervals)])
+  edges = sorted([(iv[0], 1, i) for i, iv in enumerate(intervals)] +
+                 [(iv[1], -1, i) for i, iv in enumerate(intervals)])
   active, last, busy = set(), None, 0.0
   overlapped = collections.Counter()
   for t, delta, i in edges:
@@ -67,8 +67,40 @@ def concurrency(intervals) -> dict:
           overlapped[intervals[j][2]] += t - last
     (active.add if delta > 0 else active.discard)(i)
     last = t
-  return {"busy_ms": busy / 1e3, "summed_ms": sum(e - s for s, e, _ in intervals) / 1e3,
+  return {"busy_ms": busy / 1e3, "summed_ms": sum(iv[1] - iv[0] for iv in intervals) / 1e3,
           "overlapped_ms_by_kind": {k: v / 1e3 for k, v in overlapped.items()}}
+
+
+def idle_gaps(intervals, top: int = 12, threshold_us: float = 10.0) -> dict:
+  """Where the GPU waits inside one traced call: [(start_us, end_us, kind, name)] ->
+  span_ms (first kernel's start to last kernel's end), idle_ms (span minus the union of
+  kernels), the gaps between kernels by size, and the largest with the kernels around them.
+
+  A gap is time no kernel runs: the host had not launched the next one yet (launch-bound
+  stretches of short kernels), a host-side step between kernels, or a synchronization."""
+  if not intervals:
+    return {}
+  ordered = sorted(intervals, key=lambda iv: iv[0])
+  gaps, end, before = [], ordered[0][1], ordered[0]
+  for iv in ordered[1:]:
+    if iv[0] > end:
+      gaps.append((iv[0] - end, before, iv))
+    if iv[1] >= end:
+      end, before = iv[1], iv
+  span = end - ordered[0][0]
+  idle = sum(g for g, _, _ in gaps)
+  sizes = [g for g, _, _ in gaps]
+  buckets = {"<2us": (0, 2), "2-10us": (2, 10), "10-100us": (10, 100), "0.1-1ms": (100, 1e3),
+             ">=1ms": (1e3, float("inf"))}
+  by_size = {k: {"count": sum(lo <= g < hi for g in sizes),
+                 "ms": sum(g for g in sizes if lo <= g < hi) / 1e3}
+             for k, (lo, hi) in buckets.items()}
+  largest = sorted(gaps, key=lambda g: -g[0])[:top]
+  return {"span_ms": span / 1e3, "idle_ms": idle / 1e3, "kernels": len(intervals),
+          "gaps_over_threshold": sum(g >= threshold_us for g in sizes),
+          "threshold_us": threshold_us, "gaps_by_size": by_size,
+          "largest_gaps": [{"us": g, "after": str(a[3])[:100], "before": str(b[3])[:100]}
+                           for g, a, b in largest]}
 
 
 def summarize_trace(trace_dir: str, top: int = 25) -> dict:
@@ -97,7 +129,7 @@ def summarize_trace(trace_dir: str, top: int = 25) -> dict:
     per_kernel[name] += e["dur"]
     calls[name] += 1
     if "ts" in e:
-      intervals.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), kind))
+      intervals.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), kind, name))
   return {"ms_by_kind": {k: v / 1e3 for k, v in kinds.items()},
           "device_ms_total": sum(kinds.values()) / 1e3,
           "gpu_processes": sorted(names[p] for p in gpu_pids),
@@ -107,4 +139,4 @@ def summarize_trace(trace_dir: str, top: int = 25) -> dict:
           # every kernel: {name: [ms, calls]}, for attributing "other" op by op
           "kernels_ms": {n[:200]: [d / 1e3, calls[n]] for n, d in per_kernel.items()},
           "fp8_gemm_by_problem": fp8_gemm_rates(per_kernel, calls),
-          "concurrency": concurrency(intervals)}
+          "concurrency": concurrency(intervals), "idle": idle_gaps(intervals)}

@@ -1,0 +1,80 @@
+"""benchmarks/train_step.py's step timing and the trace's idle-gap analysis (CPU; the GPU
+timings themselves run on the H200 only)."""
+import os
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import train_step as bench  # noqa: E402  (benchmarks/train_step.py)
+from infir2_jax.bench.profile import idle_gaps  # noqa: E402
+
+
+class _Pending:
+  """A step's output whose value is ready `busy_s` after the device starts it: a stand-in
+  for an asynchronously dispatched jitted step on one in-order device queue."""
+  device_free_at = 0.0
+
+  def __init__(self, value, busy_s):
+    start = max(time.perf_counter(), _Pending.device_free_at)
+    self.ready_at = _Pending.device_free_at = start + busy_s
+    self.value = value
+
+  def __float__(self):
+    time.sleep(max(0.0, self.ready_at - time.perf_counter()))
+    return float(self.value)
+
+
+def _step(host_s, device_s, log):
+  def step(state, batch):
+    time.sleep(host_s)  # the host's dispatch work, before the device can start the step
+    log.append(("dispatch", batch))
+    return state + 1, {"loss": _Pending(batch, device_s)}
+  return step
+
+
+@pytest.mark.parametrize("timing", ["pipelined", "blocked"])
+def test_timed_steps_reads_every_loss_in_order_and_times_all_but_the_warmup(timing):
+  _Pending.device_free_at = 0.0
+  log = []
+  state, losses, times = bench.timed_steps(_step(0.0, 0.001, log), 0, list(range(7)), timing)
+  assert state == 7 and losses == [float(i) for i in range(7)]
+  assert len(times) == 7 - bench.WARMUP_STEPS
+  assert [b for _, b in log] == list(range(7))
+
+
+def test_pipelined_hides_the_dispatch_that_blocked_timing_counts():
+  # host 30 ms of dispatch per step, device 60 ms: queued ahead, a step costs the device's
+  # 60 ms; waited for one by one, it costs both (90 ms).
+  _Pending.device_free_at = 0.0
+  _, _, piped = bench.timed_steps(_step(0.03, 0.06, []), 0, list(range(8)), "pipelined")
+  _Pending.device_free_at = 0.0
+  _, _, blocked = bench.timed_steps(_step(0.03, 0.06, []), 0, list(range(8)), "blocked")
+  median = lambda t: sorted(t)[len(t) // 2]
+  assert median(piped) == pytest.approx(0.06, abs=0.012)
+  assert median(blocked) == pytest.approx(0.09, abs=0.012)
+
+
+def test_unknown_timing_is_refused():
+  with pytest.raises(ValueError, match="pipelined or blocked"):
+    bench.timed_steps(lambda s, b: (s, {"loss": 0.0}), 0, [0], "async")
+
+
+def test_idle_gaps_measures_the_time_no_kernel_runs():
+  kernels = [(0, 100, "gemm", "a"), (105, 200, "other", "b"),   # 5 us gap
+             (150, 180, "other", "side"),                         # inside b: no gap
+             (700, 800, "attention", "c"),                        # 500 us gap after b
+             (800, 2900, "gemm", "d"), (4400, 4500, "other", "e")]  # 1500 us gap after d
+  idle = idle_gaps(kernels)
+  assert idle["span_ms"] == pytest.approx(4.5)
+  assert idle["idle_ms"] == pytest.approx((5 + 500 + 1500) / 1e3)
+  assert idle["kernels"] == 6 and idle["gaps_over_threshold"] == 2
+  assert idle["gaps_by_size"]["2-10us"] == {"count": 1, "ms": pytest.approx(0.005)}
+  assert idle["gaps_by_size"]["0.1-1ms"]["count"] == 1
+  assert idle["gaps_by_size"][">=1ms"] == {"count": 1, "ms": pytest.approx(1.5)}
+  assert idle["largest_gaps"][0] == {"us": 1500, "after": "d", "before": "e"}
+  assert idle["largest_gaps"][1]["after"] == "b"   # the kernel that ended last, not "side"
+  assert idle_gaps([]) == {}
