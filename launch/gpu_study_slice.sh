@@ -2,7 +2,8 @@
 # One slice of the GPU study (issue 38, reports/gpu_study/HOW_TO_RUN.md) on a lent GPU machine
 # that reaches no registry; its results land in $OUT/gpu_study.tgz.
 #   OUT=/tmp/out bash launch/gpu_study_slice.sh BUDGET_S
-# Needs .whl/ (carried) and SmolLM2's GGUF: either already assembled in /tmp/stage by an
+# Unpack the archive here, copy its runs/ into reports/gpu_study/runs and rebuild the report
+# (HOW_TO_RUN.md). Needs .whl/ (carried) and SmolLM2's GGUF: either already assembled in /tmp/stage by an
 # earlier call on this machine, or its halves as /tmp/stage/smollm2.part00 (an earlier call)
 # and .stage_b/smollm2.part01 (carried by this one). Converts it once to /tmp/smollm2_hf, then
 # runs the study for BUDGET_S seconds (its runs checkpoint in /tmp/gpu_study: a second call
@@ -12,7 +13,12 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/study_out}
 BUDGET=${1:-400}
 STUDY=${STUDY:-configs/study_smollm2.py}       # (configs/study_smollm2.py:tiny to try it on a CPU)
-RESULTS=${RESULTS:-reports/gpu_study/runs}
+# The results folder lives outside the repository on the machine, so a second call on the
+# same warm machine finds the first one's finished runs; it starts from the committed ones.
+RESULTS=${RESULTS:-/tmp/gpu_study_report/runs}
+if [[ ! -d $RESULTS && -d reports/gpu_study/runs ]]; then
+  mkdir -p "$(dirname "$RESULTS")" && cp -r reports/gpu_study/runs "$RESULTS"
+fi
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 mkdir -p "$OUT" /tmp/stage
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -41,4 +47,4 @@ python3 -m infir2_jax.ablation.study --study="$STUDY" --budget_s="$BUDGET" \
   | grep -vE "onstant.folding|slow_operation|^$" | tee "$OUT/study.log" | tail -40
 # the work directory's logs of runs still in flight, for reading why one is slow or failed
 tail -n 30 /tmp/gpu_study/*/train.log > "$OUT/run_logs_tail.txt" 2>/dev/null
-tar czf "$OUT/gpu_study.tgz" "$(dirname "$RESULTS")"   # few files come back: one archive
+tar czf "$OUT/gpu_study.tgz" -C "$(dirname "$RESULTS")" .   # few files come back: one archive
