@@ -294,6 +294,8 @@ def main():
     if args.deadline_s and time.perf_counter() - t_start > args.deadline_s:
       results["variants"].append({"recipe": split_label(label)[0], "label": label,
                                   "seq_len": int(seq_len), "error": "skipped: --deadline_s"})
+      print(f"{tag}: skipped, past --deadline_s={args.deadline_s:.0f}", flush=True)
+      _write(args.out, results)
       continue
     cmd = [sys.executable, __file__, "--child", tag] + [
         a for a in sys.argv[1:] if not a.startswith("--out")]
@@ -331,10 +333,14 @@ def main():
       rows.append(r)
     _ratios(rows)
     _table(results)
-    if args.out:  # after every variant: a run cut short keeps what it measured
-      os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-      with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    _write(args.out, results)  # after every variant: a run cut short keeps what it measured
+
+
+def _write(out: str, results: dict) -> None:
+  if out:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(results, f, indent=1)
 
 
 def baseline_label(label: str, bf16_labels: list[str]) -> str | None:
