@@ -59,6 +59,7 @@ sys.path.insert(0, ROOT)
 
 from infir2_jax.train import checkpoint as checkpoint_lib  # noqa: E402
 from infir2_jax.train import rundir  # noqa: E402
+from infir2_jax.train import preemption  # noqa: E402
 import fault_families  # noqa: E402  (scripts/ is sys.path[0])
 
 DAMAGE_KINDS = ("flip_byte", "random_4k", "truncate", "data_position", "state_metadata",
@@ -146,6 +147,7 @@ def one_kill(trainer_args, workdir, rng, step_time, total_steps, during_save, ki
   kills spread over the whole run rather than bunching up at its end.
   """
   logged_before = len(_train_records(workdir))
+  log_start = os.lseek(log.fileno(), 0, os.SEEK_CUR)   # the child appends from here
   proc = _start(trainer_args, workdir, log)
   t0 = time.monotonic()
   resumed = None
@@ -184,6 +186,9 @@ def one_kill(trainer_args, workdir, rng, step_time, total_steps, during_save, ki
   except subprocess.TimeoutExpired:
     proc.kill()
     returncode = "hang"
+  with open(log.name, "rb") as f:  # this start's output: did it say the run had ended?
+    f.seek(log_start)
+    said_ended = preemption.AFTER_LAST_STEP in f.read().decode(errors="replace")
   at = time.monotonic() - t0
   records = _train_records(workdir)
   _, leaked = psutil.wait_procs(children, timeout=10)
@@ -195,7 +200,7 @@ def one_kill(trainer_args, workdir, rng, step_time, total_steps, during_save, ki
           "last_step_logged": max(records) if records else 0, "aimed_at_save": aim_save,
           "during_checkpoint_write": during_write,
           "committed_checkpoints": rundir.checkpoint_steps(workdir),
-          "leaked_processes": len(leaked)}
+          "leaked_processes": len(leaked), "said_run_ended": said_ended}
 
 
 # Damage.
@@ -429,7 +434,11 @@ def _kill_faults(signum, kills, summary):
              "evaluation" if k.get("aimed_at_eval") else "random point")
     outcome = ("hang" if k["returncode"] == "hang" else "leak" if k["leaked_processes"]
                else "silently wrong" if not equal else "ok")
-    if signum != signal.SIGKILL and outcome == "ok" and k["returncode"] != 128 + signum:
+    # A stop signal ends the trainer with 128 + signum, or, when it came as the last step
+    # ended, with 0 and a line that says the run is complete (preemption.after_last_step).
+    finished = k["returncode"] == 0 and k.get("said_run_ended")
+    if signum != signal.SIGKILL and outcome == "ok" and not (
+        k["returncode"] == 128 + signum or finished):
       outcome = "unclear error"
     faults.append(fault_families.fault(family, f"during a {where}", f"step {k['last_step_logged']}",
                                        outcome, f"exit {k['returncode']}, resumed from "

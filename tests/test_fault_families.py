@@ -37,3 +37,16 @@ def test_exit_0_and_timeouts():
   assert _judge("error: disk\n", rc=0)[0] == "silently wrong"
   assert _judge("", rc=None)[0] == "hang"
   assert _judge("error: something else\n")[0] == "unclear error"
+
+
+def test_a_stop_signal_as_the_run_ends_is_ok_only_when_the_trainer_says_so():
+  import signal
+  import fault_injection
+  summary = {"final_state_equal": True, "losses_equal": True, "evals_equal": True}
+  kill = lambda code, said: {"last_step_logged": 60, "during_checkpoint_write": False,
+                             "returncode": code, "leaked_processes": 0,
+                             "said_run_ended": said, "next_start_resumed_from": 60,
+                             "steps_lost": 0}
+  outcomes = [f["outcome"] for f in fault_injection._kill_faults(
+      signal.SIGTERM, [kill(143, False), kill(0, True), kill(0, False), kill(1, True)], summary)]
+  assert outcomes == ["ok", "ok", "unclear error", "unclear error"]

@@ -177,3 +177,55 @@ def test_fp8_run_logs_telemetry_on_its_interval(tmp_path):
   # E4M3 with 1x128 tiles: a few tens of dB, never exact, never garbage.
   assert 15 < lines[2][key] < 60
   assert 0 <= lines[2]["fp8/worst/fprop/x/max_flush_frac"] < 0.5
+
+
+@pytest.mark.parametrize("signal_at", ["last_eval", "last_step"])
+def test_stop_signal_as_the_run_ends_completes_it_with_exit_0(tmp_path, monkeypatch, capsys,
+                                                             signal_at):
+  """SIGTERM during the last step's evaluation (after the loop's last stop check), or
+  before that step's stop check: nothing is left to stop. The run completes with its final
+  checkpoint, says the signal came as it ended, and returns (exit 0: a scheduler must not
+  requeue a finished job). It used to print "saving a checkpoint at the next step boundary"
+  and then either exit 0 without a word (fault_injection: "unclear error") or 143."""
+  import signal
+  from infir2_jax.train import preemption, trainer
+  cfg = tiny_config(**{"steps": 4, "checkpoint.every_steps": 100, "eval.every_steps": 4})
+  if signal_at == "last_eval":
+    evaluate = trainer._Loop.evaluate
+    def evaluate_then_signal(self, params):
+      out = evaluate(self, params)
+      if self.evals_done == 1:   # the step-0 evaluation came first
+        os.kill(os.getpid(), signal.SIGTERM)
+      self.evals_done += 1
+      return out
+    monkeypatch.setattr(trainer._Loop, "evals_done", 0, raising=False)
+    monkeypatch.setattr(trainer._Loop, "evaluate", evaluate_then_signal)
+  else:
+    stop_at = preemption.StopRequests.stop_at
+    def stop_at_signal(self, step):
+      if step == 4:
+        os.kill(os.getpid(), signal.SIGTERM)
+      return stop_at(self, step)
+    monkeypatch.setattr(preemption.StopRequests, "stop_at", stop_at_signal)
+  workdir = str(tmp_path)
+  train(cfg, workdir)   # no Preempted (SystemExit 143)
+  out = capsys.readouterr().out
+  assert f"received SIGTERM {preemption.AFTER_LAST_STEP}: all 4 steps are done" in out, out
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["4"]
+  assert max(train_losses(workdir)) == 4
+
+
+def test_stop_signal_mid_run_still_stops_with_143(tmp_path, monkeypatch):
+  import signal
+  from infir2_jax.train import preemption
+  stop_at = preemption.StopRequests.stop_at
+  def stop_at_signal(self, step):
+    if step == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return stop_at(self, step)
+  monkeypatch.setattr(preemption.StopRequests, "stop_at", stop_at_signal)
+  workdir = str(tmp_path)
+  with pytest.raises(preemption.Preempted) as stopped:
+    train(tiny_config(**{"steps": 4, "eval.every_steps": 0}), workdir)
+  assert stopped.value.code == 143
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]

@@ -3,7 +3,9 @@
 The trainer saves a checkpoint of that step, waits for it to be written and raises
 Preempted, a SystemExit with code 128 + the signal number (143 for SIGTERM, 130 for
 SIGINT), as a shell reports a process ended by that signal; re-running the same command
-resumes. A second SIGINT interrupts at once (KeyboardInterrupt).
+resumes. A signal that comes during the last step, its evaluation or its save stops
+nothing: the run completes, says so (after_last_step) and exits 0. A second SIGINT
+interrupts at once (KeyboardInterrupt).
 
 In a multi-process job the processes must stop at the same step, which a signal each
 process sees at its own moment cannot give: there the handlers stay as they are and SIGTERM
@@ -25,6 +27,16 @@ class Preempted(SystemExit):
 
   def __str__(self) -> str:
     return self.message
+
+
+AFTER_LAST_STEP = "as the run ended"   # in after_last_step's line (scripts/fault_injection.py)
+
+
+def after_last_step(signum: int, steps: int, checkpoints: str) -> str:
+  """What the trainer says when a stop signal came as the run ended: it had nothing left to
+  stop, so it exits 0 (a scheduler must not requeue a finished job)."""
+  return (f"received {signal.Signals(signum).name} {AFTER_LAST_STEP}: all {steps} steps are done "
+          f"and checkpoint {steps} is in {checkpoints}; the run is complete (exit 0)")
 
 
 class StopRequests:

@@ -265,6 +265,8 @@ def _train(cfg: TrainConfig, workdir: str) -> dict[str, Any]:
   try:
     with preemption.StopRequests() as stop:
       last = loop.run(state, train_iter, stop)
+      if stop.signum is not None:  # it came during the last step, its evaluation or save
+        writer.print(preemption.after_last_step(stop.signum, cfg.steps, checkpointer.directory))
   finally:
     checkpointer.close()
     writer.close()
@@ -470,7 +472,7 @@ class _Loop:
         self.writer.flush()  # the logs of every step the checkpoint covers are on disk
         self.checkpointer.save(step, state, train_iter)
         self.last_good = step
-      if stopping:
+      if stopping and step < cfg.steps:  # at the last step the run is complete: it ends as one
         self._stop(step, stop.signum)
       if due_save or due_eval:
         self.timer.reset()  # keep evaluation and checkpoint time out of the next step time
