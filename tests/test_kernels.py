@@ -118,6 +118,22 @@ def test_kernel_scales_layout_and_entry_point(kind):
   assert _rel_err(out, _numpy_f64(*args)) < 1e-6
 
 
+@pytest.mark.parametrize("m, n, k, kind, config", [
+    (72, 264, 392, "row", tuning.TuningConfig(max_concurrent_steps=2, tile_n=192)),
+    (200, 200, 264, "block", tuning.TuningConfig(max_concurrent_steps=2, compute_wgs=3)),
+])
+def test_gemm_scales_first_gives_the_same_bits(m, n, k, kind, config):
+  """Loading the K block's scales before its wgmma (TuningConfig.scales_first) moves
+  instructions, not arithmetic: the output equals the default kernel's bit for bit."""
+  import dataclasses
+  args = _operands(m, n, k, kind, seed=m + k)
+  want = kernels.block_scaled_matmul(*args, out_dtype=jnp.float32, config=config, interpret=True)
+  got = kernels.block_scaled_matmul(*args, out_dtype=jnp.float32, interpret=True,
+                                    config=dataclasses.replace(config, scales_first=True))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert _rel_err(got, _numpy_f64(*args)) < 1e-6
+
+
 def test_matmul_kernel_scales_rejects_bad_scales():
   a, sa, b, sb = _operands(128, 256, 384, "block")
   scales = kernels.kernel_scales(a, sa, b, sb)
@@ -326,6 +342,7 @@ LOWERING_CONFIGS = [
     tuning.TuningConfig(tile_n=192, max_concurrent_steps=4),
     tuning.TuningConfig(compute_wgs=3, max_concurrent_steps=6, epi_n=64),
     tuning.TuningConfig(compute_wgs=1, max_concurrent_steps=6, epi_n=128),
+    tuning.TuningConfig(tile_n=192, max_concurrent_steps=4, scales_first=True),
 ]
 
 

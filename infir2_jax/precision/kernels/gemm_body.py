@@ -89,8 +89,13 @@ def _mainloop_step(_, a_smem, b_smem, sa_smem, sb_smem, acc, *, config: TuningCo
     plgpu.wgmma(part_ref, a_smem.at[wg_rows], b_smem.T)
     return plgpu.wgmma_accumulator_load(part_ref, wait_n=0)
 
-  part = pl.run_scoped(wgmma, plgpu.ACC((config.tile_m, config.tile_n), jnp.float32))
-  return _promote(acc, part, _block_scales(sa_smem, sb_smem, wg_rows, per_column), per_column)
+  if config.scales_first:   # in registers while the tensor core works (TuningConfig)
+    scales = _block_scales(sa_smem, sb_smem, wg_rows, per_column)
+    part = pl.run_scoped(wgmma, plgpu.ACC((config.tile_m, config.tile_n), jnp.float32))
+  else:
+    part = pl.run_scoped(wgmma, plgpu.ACC((config.tile_m, config.tile_n), jnp.float32))
+    scales = _block_scales(sa_smem, sb_smem, wg_rows, per_column)
+  return _promote(acc, part, scales, per_column)
 
 
 def _store_tile(acc, out_smem, wg, out_tile, epi_n: int):

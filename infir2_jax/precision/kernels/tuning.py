@@ -43,6 +43,11 @@ class TuningConfig:
       promotion), so the tensor core idles unless another warpgroup's wgmma is queued:
       three keep it busier than two, at 2/3 of the registers each (enough for 64x128
       tiles, not for 192-wide ones).
+    scales_first: load the K block's scale vectors from shared memory before issuing its
+      wgmma rather than after waiting for it. With per-column (1x128 B) scales the loads
+      and the products of row and column scales otherwise sit between the wgmma wait and
+      the stage's release (183 of the wgrad loop's 263 SASS instructions,
+      benchmarks/gemm_sass.py); the numbers are the same either way.
   """
   tile_m: int = 64
   tile_n: int = 128
@@ -54,6 +59,7 @@ class TuningConfig:
   epi_n: int | None = None
   cross_tile: bool | None = None
   compute_wgs: int = 2
+  scales_first: bool = False
 
   def __post_init__(self):
     if self.tile_m != 64:
