@@ -135,3 +135,4 @@ def test_backward_bisect_benchmark_runs_its_stand_ins_in_interpret_mode(tmp_path
   assert not [name for name, row in rows.items() if "error" in row], rows
   assert rows["bwd"]["matches_reference"] and rows["bwd_noalias"]["matches_reference"]
   assert rows["bwd_unrolled"]["matches_reference"]
+  assert rows["bwd"]["differing_elements"] == [0] * 4   # dgate, dup and their wgrad layouts
