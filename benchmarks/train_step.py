@@ -150,6 +150,9 @@ def run_one(args, label: str, seq_len: int) -> dict:
     for b in host_batches + (noise_batches or []):  # as the trainer checks every batch
       check_documents(b["segment_ids"], cfg.model)
   print(f"COMPILED in {compile_s:.1f} s", flush=True)
+  # The allocator's peak so far is the compile's (autotuning runs candidate kernels on the
+  # device); the step's own peak can only be told apart when it is higher.
+  compile_peak = (device.memory_stats() or {}).get("peak_bytes_in_use", 0)
   from infir2_jax.bench.tools import GpuTelemetry
   telemetry = GpuTelemetry()  # SM clock and power over the steps (not the idle init compile)
 
@@ -195,6 +198,7 @@ def run_one(args, label: str, seq_len: int) -> dict:
       "max_step_s": float(np.max(times)), "tokens_per_s": tokens / step_s,
       "model_tflops_per_s": flops / step_s / 1e12, "mfu_vs_989": flops / step_s / PEAK_BF16,
       "peak_memory_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+      "peak_memory_after_compile_gib": compile_peak / 2**30,
       "compiled_argument_gib": getattr(memory, "argument_size_in_bytes", 0) / 2**30,
       "compiled_temp_gib": getattr(memory, "temp_size_in_bytes", 0) / 2**30,
       "compile_s": compile_s, "init_s": init_s, "losses": losses, "noise_losses": noise_losses,
@@ -390,6 +394,9 @@ def _table(results):
     if other:
       print(f"    timing {r.get('timing_method', 'blocked')}; {other.split('_')[0]}: "
             f"{1e3 * r[other]:.1f} ms/step over {len(r[other.replace('median_step_s', 'step_times_s')])} steps")
+    if r.get("peak_memory_after_compile_gib"):
+      print(f"    allocator peak after the compile (autotuning), before training: "
+            f"{r['peak_memory_after_compile_gib']:.1f} GiB")
     telemetry = r.get("gpu_telemetry") or {}
     if "sm_mhz_median" in telemetry:
       print(f"    while training: SM clock median {telemetry['sm_mhz_median']:.0f} MHz "

@@ -78,3 +78,32 @@ def test_idle_gaps_measures_the_time_no_kernel_runs():
   assert idle["largest_gaps"][0] == {"us": 1500, "after": "d", "before": "e"}
   assert idle["largest_gaps"][1]["after"] == "b"   # the kernel that ended last, not "side"
   assert idle_gaps([]) == {}
+
+
+LIVE_RANGE = """HloLiveRange (max 30):
+  Live ranges at 12 (peak):
+    loop_multiply_fusion.6{}: 400 bytes (cumulative: 400 bytes)
+  Stack trace breakdown for peak usage: 1 000 bytes
+    main.841 (100.0%, total: 1 000 bytes, current: 0 bytes, remaining: 1 000 bytes)
+      ├── state (30.0%, total: 300 bytes, current: 0 bytes, remaining: 1 000 bytes)
+      │   ├── params (30.0%, total: 300 bytes, current: 0 bytes, remaining: 1 000 bytes)
+      │   │   └── embedding (30.0%, total: 300 bytes, current: 300 bytes, remaining: 700 bytes)
+      ├── jit(train_step)/jvp(Qwen2)/Qwen2._scanned_layers/stack (20.0%, total: 200 bytes, current: 200 bytes, remaining: 500 bytes)
+      ├── jit(train_step)/transpose(jvp())/mul (25.0%, total: 250 bytes, current: 250 bytes, remaining: 250 bytes)
+      ├── state['opt_state'][1][0].mu['lm_head']['kernel'] (10.0%, total: 100 bytes, current: 100 bytes, remaining: 150 bytes)
+      ├── state['opt_state'][1][0].nu['lm_head']['kernel'] (10.0%, total: 100 bytes, current: 100 bytes, remaining: 50 bytes)
+      └── jit(train_step)/jvp(Qwen2)/Qwen2._scanned_layers/while{2} (5.0%, total: 50 bytes, current: 50 bytes, remaining: 0 bytes)
+"""
+
+
+def test_peak_buffers_groups_the_peak_by_owner():
+  import peak_buffers  # benchmarks/
+  peak = peak_buffers.parse_live_range(LIVE_RANGE)
+  assert peak["peak_instruction"] == 12 and peak["peak_bytes"] == 1000
+  assert peak["by_owner"] == {
+      "master weights (float32)": 300, "loss: float32 logits and their gradient": 250,
+      "the scan's stacked weights (bf16 copy of every layer's)": 200, "Adam moments": 200,
+      "the scan's saved layer inputs (remat residuals)": 50}
+  assert sum(peak["by_owner"].values()) == peak["peak_bytes"]   # top-level entries only
+  with pytest.raises(ValueError, match="Stack trace breakdown"):
+    peak_buffers.parse_live_range("HloLiveRange (max 3):\n")
