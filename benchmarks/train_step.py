@@ -15,7 +15,9 @@ losses of the first steps are a real loss curve; `--data=synthetic` uses random 
 The bf16 run at the longest seq_len is repeated on another data order (`noise_losses`): the
 loss difference that data order alone makes, the yardstick for "within noise".
 The parent measures the XLA bf16 GEMM rate in the same run, for MFU against what this card
-delivers. Reports median step time (2 warm-up steps excluded), tokens/s, MFU (vs 989 TFLOP/s
+delivers. Reports median step time (2 warm-up steps excluded; `--timing`: pipelined as the
+trainer runs steps, the next one queued while one runs, and blocked on a few more steps,
+each waited for as sessions up to 18 timed them), tokens/s, MFU (vs 989 TFLOP/s
 and vs the measured GEMM rate), peak device memory, XLA's memory analysis and the FP8 GEMMs in
 the compiled HLO. `--profile_dir` also traces one step per variant and sums GPU kernel time
 by kind (GEMMs, attention, our Pallas kernels, the rest), with the top kernels by time.
