@@ -18,9 +18,9 @@
 #        configs/1p5b.py:fast's infir2, that with FA3 varlen, that with Adam's moments in FP8),
 #        fusedbwd (the fused SwiGLU backward's GPU test and bisect, then 1.5B at 2 x 8192,
 #        profiled, unrolled: bf16, the fast infir2 without and with precision.fused_mlp_backward),
-#        pipe (1.5B at 2 x 8192, profiled, unrolled: bf16 and the fast infir2, each timed
-#        pipelined as the trainer runs steps and blocked as before, then infir2 profiled with
-#        XLA's command buffers left on: where the step's idle time is),
+#        pipe (1.5B at 2 x 8192, profiled, unrolled: bf16, the fast infir2 profiled with XLA's
+#        command buffers left on (where the step's idle time is), the fast infir2; each
+#        timed pipelined as the trainer runs steps and blocked as before),
 #        7bfused (7B at 4 x 4096, document mask: bf16, infir2, infir2 without the fused backward),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
@@ -124,7 +124,7 @@ elif [[ $STAGE == fusedbwd ]]; then
 elif [[ $STAGE == pipe ]]; then
   F=model.scan_layers=False~model.remat=save_dots_fp8
   timeout $((DEADLINE + 200)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
-    --recipes=bf16~model.scan_layers=False,infir2~$F,infir2~$F~--xla_enable_command_buffers_during_profiling=true \
+    --recipes=bf16~model.scan_layers=False,infir2~$F~--xla_enable_command_buffers_during_profiling=true,infir2~$F \
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=200 \
     --deadline_s="$DEADLINE" --profile_dir=/tmp/prof \
     --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -40
