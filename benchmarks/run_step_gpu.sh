@@ -21,6 +21,9 @@
 #        pipe (1.5B at 2 x 8192, profiled, unrolled: bf16, the fast infir2 profiled with XLA's
 #        command buffers left on (where the step's idle time is), the fast infir2; each
 #        timed pipelined as the trainer runs steps and blocked as before),
+#        mem (1.5B at 2 x 8192: bf16 unrolled, infir2 as configs/1p5b.py has it, the fast
+#        infir2 and save_dots infir2 each with fp8 moments and the chunked loss: the memory
+#        target's candidates, 0.71x / 0.59x of bf16 by benchmarks/peak_buffers.py),
 #        7bfused (7B at 4 x 4096, document mask: bf16, infir2, infir2 without the fused backward),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
@@ -128,6 +131,13 @@ elif [[ $STAGE == pipe ]]; then
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=200 \
     --deadline_s="$DEADLINE" --profile_dir=/tmp/prof \
     --out="$OUT/train_step_1p5b_8k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -40
+elif [[ $STAGE == mem ]]; then
+  U=model.scan_layers=False; F=$U~model.remat=save_dots_fp8; L=opt.moments=fp8~model.loss_chunk=2048
+  timeout $((DEADLINE + 260)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
+    --recipes=bf16~$U,infir2~$F~$L,infir2,infir2~$U~$L \
+    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=260 \
+    --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
+    | grep -vE "onstant.folding|slow_operation|^$" | tail -40
 elif [[ $STAGE == 7bfused ]]; then
   timeout $((DEADLINE + 230)) python3 benchmarks/train_step.py --config=configs/7b.py \
     --recipes=bf16,infir2,infir2~precision.fused_mlp_backward=False \
