@@ -47,6 +47,10 @@ def owner(name: str) -> str:
     return "loss: float32 logits and their gradient"
   if "_scanned_layers/while" in name:
     return "the scan's saved layer inputs (remat residuals)"
+  if re.search(r"jvp\(Qwen2\)/layers_\d+/", name):   # unrolled layers: what remat keeps
+    return "the layers' saved activations (GEMM outputs; FP8 operands with save_dots_fp8)"
+  if name.startswith("jit(train_step)/transpose(jvp())/while"):
+    return "loss: the chunked loss's backward loop"
   if "transpose(jvp" in name:
     return "backward: other gradients and temporaries"
   if "jvp(" in name:

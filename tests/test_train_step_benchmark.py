@@ -107,3 +107,12 @@ def test_peak_buffers_groups_the_peak_by_owner():
   assert sum(peak["by_owner"].values()) == peak["peak_bytes"]   # top-level entries only
   with pytest.raises(ValueError, match="Stack trace breakdown"):
     peak_buffers.parse_live_range("HloLiveRange (max 3):\n")
+
+
+def test_peak_buffers_names_unrolled_layers_activations():
+  import peak_buffers
+  assert peak_buffers.owner(
+      "jit(train_step)/jvp(Qwen2)/layers_12/mlp/fp8_fprop/jit(wrapper)/x").startswith(
+          "the layers' saved activations")
+  assert peak_buffers.owner("jit(train_step)/jvp(Qwen2)/norm/rsqrt") == (
+      "forward: other activations and temporaries")
