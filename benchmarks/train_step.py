@@ -286,6 +286,9 @@ def main():
   results = {**benchtools.run_info(sys.argv), "python": platform.python_version(),
              "method": "one subprocess per variant, one at a time (compile, then train); "
                        "XLA_PYTHON_CLIENT_PREALLOCATE=false",
+             "timing": f"median host wall time per step, timed {args.timing} (rows: "
+                       "timing_method; the other way in <other>_median_step_s); the "
+                       "profile's device_ms_total is a CUPTI kernel sum of one traced step",
              "variants": []}
   if jax.default_backend() == "gpu":  # before any child, on an idle GPU
     results["xla_bf16_gemm_tflops_8192"] = xla_bf16_gemm_tflops()
