@@ -162,39 +162,20 @@ def reference_mismatch(out, want) -> dict:
 
 
 def sass_sizes(args):
-  """{variant: {instructions, registers}} of each variant compiled for $INFIR2_GPU_TARGET_CONFIG;
-  Mosaic GPU prints ptxas' report and the SASS to fd 1, read back from a temporary file."""
-  import os
+  """{variant: {instructions, registers}} of each variant compiled for $INFIR2_GPU_TARGET_CONFIG
+  (sass_opcodes.deviceless_dump)."""
   import re
-  import tempfile
-  import linear_kernels  # benchmarks/ is sys.path[0]
-  import sass_opcodes
-  os.environ["MOSAIC_GPU_DUMP_SASS"] = os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
-  device = linear_kernels.h200_device()
+  import sass_opcodes  # benchmarks/ is sys.path[0]
   m, f, chosen = chosen_variants(args)
-  mesh = jax.sharding.Mesh([device], ("x",))
-  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  specs = (jax.ShapeDtypeStruct((m, f), jnp.bfloat16, sharding=rep),
-           jax.ShapeDtypeStruct((m, 2 * f), jnp.bfloat16, sharding=rep))
+  specs = (jax.ShapeDtypeStruct((m, f), jnp.bfloat16),
+           jax.ShapeDtypeStruct((m, 2 * f), jnp.bfloat16))
   result = {"info": benchtools.run_info(["benchmarks/fused_bwd_bisect.py", "--sass"],
                                         with_device=False),
-            "device": f"deviceless compile for {device.device_kind}", "shape": [m, f],
-            "rows": {}}
+            "device": None, "shape": [m, f], "rows": {}}
   for name, (producer, which, sources, config) in chosen.items():
     fn = kernel_fn(producer, sources, f, config)
-    with tempfile.TemporaryFile("w+") as dump:
-      sys.stdout.flush()
-      saved = os.dup(1)
-      os.dup2(dump.fileno(), 1)
-      try:
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-          fn.trace(*[specs[i] for i in which]).lower(lowering_platforms=("cuda",)).compile()
-      finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-      dump.seek(0)
-      text = dump.read()
+    text, kind = sass_opcodes.deviceless_dump(fn, [specs[i] for i in which])
+    result["device"] = f"deviceless compile for {kind}"
     counts = sass_opcodes.opcode_counts(text.splitlines())
     kernel = [c for k, c in counts.items() if fq.FUSED_KERNEL_NAME in k]
     regs = re.findall(r"Used (\d+) registers", text)

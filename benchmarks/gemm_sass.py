@@ -19,7 +19,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -48,29 +47,6 @@ CASES = (
 )
 PROMOTION_OPS = ("FMUL", "FFMA", "FADD", "LDS", "LDS.64", "LDS.128", "WARPSYNC", "QGMMA",
                  "SHFL", "MOV", "LDL", "STL")
-
-
-def _compile_dump(fn, specs) -> str:
-  """Mosaic GPU prints ptxas' report and the SASS to fd 1: compile with it redirected."""
-  os.environ["MOSAIC_GPU_DUMP_SASS"] = os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
-  import linear_kernels  # benchmarks/: the H200 topology from INFIR2_GPU_TARGET_CONFIG
-  device = linear_kernels.h200_device()
-  mesh = jax.sharding.Mesh([device], ("x",))
-  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep) for s in specs]
-  with tempfile.TemporaryFile("w+") as dump:
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(dump.fileno(), 1)
-    try:
-      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).compile()
-    finally:
-      sys.stdout.flush()
-      os.dup2(saved, 1)
-      os.close(saved)
-    dump.seek(0)
-    return dump.read()
 
 
 def k_block_loop(lines) -> dict:
@@ -108,7 +84,7 @@ def kernel_code(m, n, k, kind, overrides) -> dict:
            jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
            jax.ShapeDtypeStruct((n if kind == "row" else nb, kb), jnp.float32))
   fn = lambda a, sa, b, sb: gemm.block_scaled_matmul(a, sa, b, sb, config=config)
-  text = _compile_dump(fn, specs)
+  text, _ = sass_opcodes.deviceless_dump(fn, specs)
   counts = sass_opcodes.opcode_counts(text.splitlines())
   kernel = next((c for name, c in counts.items() if gemm.KERNEL_NAME in name), None)
   regs = re.findall(r"Used (\d+) registers", text)

@@ -33,6 +33,34 @@ def opcode_counts(lines):
   return kernels
 
 
+def deviceless_dump(fn, specs) -> tuple[str, str]:
+  """Compiles fn(*specs) for $INFIR2_GPU_TARGET_CONFIG's GPU on this (CPU) host with Mosaic
+  GPU's ptxas report and SASS on; returns (what it printed, the device kind). Mosaic GPU
+  prints both to fd 1, so the compile runs with fd 1 redirected to a temporary file."""
+  import os
+  import tempfile
+  import jax
+  import linear_kernels  # benchmarks/: the H200 topology from INFIR2_GPU_TARGET_CONFIG
+  os.environ["MOSAIC_GPU_DUMP_SASS"] = os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  device = linear_kernels.h200_device()
+  mesh = jax.sharding.Mesh([device], ("x",))
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  specs = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep) for s in specs]
+  with tempfile.TemporaryFile("w+") as dump:
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(dump.fileno(), 1)
+    try:
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).compile()
+    finally:
+      sys.stdout.flush()
+      os.dup2(saved, 1)
+      os.close(saved)
+    dump.seek(0)
+    return dump.read(), device.device_kind
+
+
 def main(argv):
   p = argparse.ArgumentParser()
   p.add_argument("dump")

@@ -201,12 +201,7 @@ def test_stop_signal_as_the_run_ends_completes_it_with_exit_0(tmp_path, monkeypa
     monkeypatch.setattr(trainer._Loop, "evals_done", 0, raising=False)
     monkeypatch.setattr(trainer._Loop, "evaluate", evaluate_then_signal)
   else:
-    stop_at = preemption.StopRequests.stop_at
-    def stop_at_signal(self, step):
-      if step == 4:
-        os.kill(os.getpid(), signal.SIGTERM)
-      return stop_at(self, step)
-    monkeypatch.setattr(preemption.StopRequests, "stop_at", stop_at_signal)
+    _sigterm_at_stop_check(monkeypatch, 4)
   workdir = str(tmp_path)
   train(cfg, workdir)   # no Preempted (SystemExit 143)
   out = capsys.readouterr().out
@@ -215,15 +210,21 @@ def test_stop_signal_as_the_run_ends_completes_it_with_exit_0(tmp_path, monkeypa
   assert max(train_losses(workdir)) == 4
 
 
-def test_stop_signal_mid_run_still_stops_with_143(tmp_path, monkeypatch):
+def _sigterm_at_stop_check(monkeypatch, at_step):
+  """SIGTERM to this process just before the loop asks whether to stop after `at_step`."""
   import signal
   from infir2_jax.train import preemption
   stop_at = preemption.StopRequests.stop_at
   def stop_at_signal(self, step):
-    if step == 2:
+    if step == at_step:
       os.kill(os.getpid(), signal.SIGTERM)
     return stop_at(self, step)
   monkeypatch.setattr(preemption.StopRequests, "stop_at", stop_at_signal)
+
+
+def test_stop_signal_mid_run_still_stops_with_143(tmp_path, monkeypatch):
+  from infir2_jax.train import preemption
+  _sigterm_at_stop_check(monkeypatch, 2)
   workdir = str(tmp_path)
   with pytest.raises(preemption.Preempted) as stopped:
     train(tiny_config(**{"steps": 4, "eval.every_steps": 0}), workdir)
