@@ -1,6 +1,8 @@
 #!/bin/bash
 # The fp8-moments update benchmark on one H200; everything lands in $OUT.
-#   OUT=/tmp/out INFIR2_GIT_COMMIT=<sha> bash benchmarks/run_moments_gpu.sh [configs]
+#   OUT=/tmp/out INFIR2_GIT_COMMIT=<sha> bash benchmarks/run_moments_gpu.sh [configs] [variants]
+# First the GPU test of the Triton kernel against the reference (tests/test_fp8_adam_gpu.py),
+# then the tiny shape set (whole arrays compared), then each config's shapes.
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it): ml-collections.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +13,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/env.txt"
 CONFIGS=${1:-configs/1p5b.py,configs/7b.py}
-python3 benchmarks/moments_update.py --tiny --steps=2 --iters=3 --out="$OUT/moments_update_tiny.json" 2>&1 \
-  | grep --line-buffered -v "^W0000\|^I0000" | tail -8 | tee "$OUT/tiny.log"
-python3 benchmarks/moments_update.py --configs="$CONFIGS" --steps=2 --iters=10 \
-  --out="$OUT/moments_update_h200.json" 2>&1 | grep --line-buffered -v "^W0000\|^I0000" | tee "$OUT/bench.log" | tail -30
+VARIANTS=${2:-optax_fp32,fp8_pallas,fp8_pallas_precise,fp8_jnp}
+timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_adam_gpu.py 2>&1 \
+  | grep -vE "^W0000|^I0000|^$" | tail -6 | tee "$OUT/gpu_tests_moments.log"
+timeout 120 python3 benchmarks/moments_update.py --tiny --steps=2 --iters=3 \
+  --variants=fp8_reference,fp8_jnp,fp8_pallas,fp8_pallas_precise \
+  --out="$OUT/moments_update_tiny.json" 2>&1 | grep --line-buffered -v "^W0000\|^I0000" \
+  | tail -4 | tee "$OUT/tiny.log"
+timeout 400 python3 benchmarks/moments_update.py --configs="$CONFIGS" --variants="$VARIANTS" \
+  --steps=2 --iters=10 --out="$OUT/moments_update_h200.json" 2>&1 \
+  | grep --line-buffered -v "^W0000\|^I0000" | tee "$OUT/bench.log" | grep -E "ms|bit-ident" | tail -20

@@ -98,9 +98,10 @@ class OptConfig:
   # The update is computed in float32 either way; master weights stay in model.param_dtype.
   moments: str = "fp32"
   # How opt.moments=fp8 runs its step (train/fp8_adam.py), bit-identical on the CPU:
-  # "jnp" (one pass per tensor, for XLA to fuse) | "pallas" (a Pallas kernel; Triton on the
+  # "auto" (pallas on the GPU, jnp elsewhere) | "jnp" (one pass per tensor, for XLA to
+  # fuse) | "pallas" (a Pallas kernel; Triton with the GPU's approximate log2/exp2 on the
   # GPU) | "reference" (decode, optax's Adam, encode: train/moments.py as written).
-  moments_kernel: str = "jnp"
+  moments_kernel: str = "auto"
 
   def __post_init__(self):
     if self.schedule not in ("wsd", "cosine", "constant"):
@@ -123,9 +124,9 @@ class OptConfig:
     check_range("opt.schedule_steps", self.schedule_steps, 0)
     if self.moments not in ("fp32", "bf16", "fp8"):
       raise ConfigError(f"opt.moments={self.moments!r}; valid: 'fp32', 'bf16', 'fp8'")
-    if self.moments_kernel not in ("jnp", "pallas", "reference"):
-      raise ConfigError(f"opt.moments_kernel={self.moments_kernel!r}; valid: 'jnp', 'pallas', "
-                        "'reference'")
+    if self.moments_kernel not in ("auto", "jnp", "pallas", "reference"):
+      raise ConfigError(f"opt.moments_kernel={self.moments_kernel!r}; valid: 'auto', 'jnp', "
+                        "'pallas', 'reference'")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,7 +74,7 @@ def problem():
   return params, grads, run_steps("reference", params, grads)
 
 
-@pytest.mark.parametrize("kernel", ["jnp", "pallas"])
+@pytest.mark.parametrize("kernel", ["jnp", "pallas", "auto"])
 def test_one_pass_update_is_bit_identical_to_the_reference(problem, kernel):
   params, grads, want = problem
   got = run_steps(kernel, params, grads)
@@ -115,10 +115,13 @@ def test_one_pass_state_is_the_reference_state_and_restores_across(tmp_path, pro
 def test_moments_kernel_option_reaches_the_update():
   params = {"w": jnp.ones((2, 256))}
   grads = {"w": jnp.full((2, 256), 0.5)}
-  for kernel in ("jnp", "pallas", "reference"):
+  for kernel in ("jnp", "pallas", "reference", "auto"):
     tx = make_optimizer(OptConfig(moments="fp8", moments_kernel=kernel, warmup_steps=1), 10)
     jaxpr = str(jax.make_jaxpr(tx.update)(grads, tx.init(params), params))
-    assert ("pallas_call" in jaxpr) == (kernel == "pallas"), kernel
+    # auto: both branches are in the program; the platform it is lowered for picks one.
+    assert ("pallas_call" in jaxpr) == (kernel in ("pallas", "auto")), kernel
+    assert ("platform_index" in jaxpr) == (kernel in ("pallas", "auto")), kernel
+  assert OptConfig().moments_kernel == "auto"
   with pytest.raises(ConfigError, match="opt.moments_kernel='triton'"):
     OptConfig(moments_kernel="triton")
   assert OptConfig().moments == "fp32"   # the default recipe's moments are untouched
@@ -268,3 +271,30 @@ def test_pallas_update_lowers_one_triton_kernel_per_param_shape_for_cuda():
         lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 2, text.count("__gpu$xla.gpu.triton")
   assert "fp8_adam" in text
+
+
+@pytest.mark.parametrize("fast_math", [True, False])
+def test_triton_kernel_lowered_for_cuda_uses_the_chosen_math(monkeypatch, fast_math):
+  """Lowered for CUDA on this CPU host: the kernel calls the GPU's approximate instructions
+  (fp8_adam.FAST_PTX) and none of libdevice's exact log2/exp2/sqrt routines, or the
+  reverse with FAST_MATH off (benchmarks/moments_update.py's fp8_pallas_precise)."""
+  import re  # pylint: disable=import-outside-toplevel
+  from jax.sharding import AbstractDevice, AbstractMesh  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(fp8_adam, "FAST_MATH", fast_math)
+  tx = fp8_adam.scale_by_adam_fp8(B1, B2, EPS, kernel="auto")
+  params = {"w": jax.ShapeDtypeStruct((256, 512), jnp.float32)}
+  grads = {"w": jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)}
+  state = jax.eval_shape(tx.init, params)
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(lambda g, s, p: tx.update(g, s, p)).trace(grads, state, params).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text   # auto picks the Triton kernel for CUDA
+  exact = {"__nv_log2f", "__nv_exp2f", "__nv_sqrtf"}
+  approx = ("lg2.approx.f32", "ex2.approx.f32", "div.full.f32", "sqrt.approx.f32")
+  called = set(re.findall(r"__nv_\w+", text))
+  if fast_math:
+    assert all(a in text for a in approx) and not called & exact, called
+  else:
+    assert not any(a in text for a in approx) and exact <= called, called

@@ -18,8 +18,15 @@ and min-nonzero; k; re-encode. Two forms (opt.moments_kernel):
           the direction; the param update is an XLA fusion after it, as optax applies
           updates outside the transform (step.py), ~22 bytes a param.
 
+  auto    (the default) pallas where the step is lowered for CUDA, jnp elsewhere.
+
 Both are the reference's float32 ops in the reference's order, element by element, so on
-the CPU they are bit-identical to it (tests/test_fp8_adam.py). A last axis that is not a
+the CPU they are bit-identical to it (tests/test_fp8_adam.py). On the GPU the Triton kernel
+computes the same formulas with the GPU's approximate log2, exp2, division and square root
+(FAST_PTX): with libdevice's exactly rounded routines, which Pallas' Triton lowering calls
+otherwise, the update is bound by instructions rather than memory (29.7 ms at 1.5B against
+optax's float32 AdamW's 11.2, session 18); tests/test_kernels_gpu.py bounds the difference
+from the reference. A last axis that is not a
 multiple of 128 (1-D biases and norms) is zero-padded to whole groups as the reference pads
 it; the reference slices the padding off and pads again with zeros before it encodes, which
 needs no mask here: a padded lane has q = 0 and g = 0, so it decodes to exactly 0 and stays
@@ -40,32 +47,61 @@ from jax.sharding import PartitionSpec as P
 from infir2_jax.precision import formats
 from infir2_jax.train import moments
 
-KERNELS = ("jnp", "pallas", "reference")   # valid values of opt.moments_kernel
+KERNELS = ("auto", "jnp", "pallas", "reference")   # valid values of opt.moments_kernel
 BLOCK_ROWS = 32                            # Pallas: most rows (groups) per program
 
 
-def new_moments(g_NxG, m_parts, v_parts, *, b1, b2):
+def new_moments(g_NxG, m_parts, v_parts, *, b1, b2, ops=moments.PRECISE):
   """Adam's new float32 moments from the stored ones (optax's update_moment functions)."""
-  m = optax.tree.update_moment(g_NxG, moments.decode_groups(*m_parts), b1, 1)
-  v = optax.tree.update_moment_per_elem_norm(g_NxG, moments.decode_groups(*v_parts), b2, 2)
+  decode = lambda parts: moments.decode_groups(*parts, ops=ops)
+  m = optax.tree.update_moment(g_NxG, decode(m_parts), b1, 1)
+  v = optax.tree.update_moment_per_elem_norm(g_NxG, decode(v_parts), b2, 2)
   return m, v
 
 
-def direction_of(m, v, bias_corrections, *, eps, eps_root):
+def direction_of(m, v, bias_corrections, *, eps, eps_root, ops=moments.PRECISE):
   """Adam's direction; optax.tree.bias_correction's divisions, their scalars given."""
   bc1, bc2 = bias_corrections
-  return (m / bc1) / (jnp.sqrt(v / bc2 + eps_root) + eps)
+  return ops.div(ops.div(m, bc1), ops.sqrt(ops.div(v, bc2) + eps_root) + eps)
 
 
-def adam_rows(g_NxG, m_parts, v_parts, bias_corrections, *, b1, b2, eps, eps_root):
+def adam_rows(g_NxG, m_parts, v_parts, bias_corrections, *, b1, b2, eps, eps_root,
+              ops=moments.PRECISE):
   """One Adam step on rows of groups: (direction [N, GROUP], new m parts, new v parts).
 
   m_parts / v_parts: (q [N, GROUP] e4m3, a [N, 1], k [N, 1]); bias_corrections: optax's
-  1 - b**count for b1 and b2 (float32 scalars). Any leading axes work as N.
+  1 - b**count for b1 and b2 (float32 scalars). Any leading axes work as N. `ops`: the
+  float32 functions (moments.MathOps), the reference's unless the Triton kernel's FAST_PTX.
   """
-  m, v = new_moments(g_NxG, m_parts, v_parts, b1=b1, b2=b2)
-  direction = direction_of(m, v, bias_corrections, eps=eps, eps_root=eps_root)
-  return direction, moments.encode_groups(m), moments.encode_groups(v)
+  m, v = new_moments(g_NxG, m_parts, v_parts, b1=b1, b2=b2, ops=ops)
+  direction = direction_of(m, v, bias_corrections, eps=eps, eps_root=eps_root, ops=ops)
+  return direction, moments.encode_groups(m, ops), moments.encode_groups(v, ops)
+
+
+def _ptx(instruction: str, *args: jax.Array) -> jax.Array:
+  """One float32 PTX instruction applied elementwise inside a Triton kernel (args broadcast
+  to one shape, as the inline assembly needs)."""
+  from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
+  args = jnp.broadcast_arrays(*(jnp.asarray(a, jnp.float32) for a in args))
+  operands = ", ".join(f"${i + 1}" for i in range(len(args)))
+  [out] = pl_triton.elementwise_inline_asm(
+      f"{instruction} $0, {operands};", args=list(args),
+      constraints=",".join(["=r"] + ["r"] * len(args)), pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)])
+  return out
+
+
+# The GPU's approximate float32 instructions (PTX ISA: lg2/ex2 .approx, ~2 ulp, subnormals
+# kept; div.full, 2 ulp over the whole range; sqrt.approx, ~1 ulp) in place of libdevice's
+# exact-rounding routines, which Pallas' Triton lowering calls for jnp.log2/exp2/sqrt:
+# the update is 4 log2, 4 exp2, 7 divisions and a square root per element, and with the
+# exact forms it is bound by instructions, not memory (benchmarks/moments_update.py).
+FAST_PTX = moments.MathOps(
+    log2=lambda x: _ptx("lg2.approx.f32", x),
+    exp2=lambda x: _ptx("ex2.approx.f32", x),
+    div=lambda x, y: _ptx("div.full.f32", x, y),
+    sqrt=lambda x: _ptx("sqrt.approx.f32", x))
+FAST_MATH = True   # Triton kernel: FAST_PTX (read when traced; the benchmark flips it)
 
 
 def adam_rows_recomputed(g_NxG, m_parts, v_parts, bias_corrections, *, b1, b2, eps,
@@ -135,7 +171,7 @@ def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=None, interpret=Non
   args = (g_NxG, *m_parts, *v_parts, bcs)
   if interpret is None:   # Triton where it is lowered for CUDA (also ahead of time, on a CPU)
     out = jax.lax.platform_dependent(
-        *args, cuda=_jitted_triton_kernel(r, tuple(sorted(hyper.items()))),
+        *args, cuda=_jitted_triton_kernel(r, tuple(sorted(hyper.items())), FAST_MATH),
         default=functools.partial(_kernel_call, r, True, hyper))
   else:
     out = _kernel_call(r, interpret, hyper, *args)
@@ -143,26 +179,29 @@ def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=None, interpret=Non
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_triton_kernel(r: int, hyper: tuple):
+def _jitted_triton_kernel(r: int, hyper: tuple, fast_math: bool):
   """_kernel_call as one jitted function: params of one shape (the same projection of every
   unrolled layer) share its jaxpr, so a step lowers the Triton kernel once per shape, not
   once per param (338 params at 1.5B unrolled). Only the CUDA branch: on the CPU the
   interpreted kernel stays inlined (a nested jit there moves the direction by an ulp)."""
-  return jax.jit(functools.partial(_kernel_call, r, False, dict(hyper)))
+  return jax.jit(functools.partial(_kernel_call, r, False, dict(hyper), fast_math=fast_math))
 
 
-def _kernel_call(r: int, interpret: bool, hyper: dict, g_NxG, qm, am, km, qv, av, kv, bcs):
+def _kernel_call(r: int, interpret: bool, hyper: dict, g_NxG, qm, am, km, qv, av, kv, bcs,
+                 fast_math: bool = False):
   n = g_NxG.shape[0]
   lanes_spec = pl.BlockSpec((r, moments.GROUP), lambda i: (i, 0))
   group_spec = pl.BlockSpec((r, 1), lambda i: (i, 0))
   scalar_spec = pl.BlockSpec((2,), lambda i: (0,))
   parts_specs = (lanes_spec, group_spec, group_spec)
 
+  ops = FAST_PTX if fast_math else moments.PRECISE
+
   def kernel(g_ref, qm_ref, am_ref, km_ref, qv_ref, av_ref, kv_ref, bc_ref,
              d_out, qm_out, am_out, km_out, qv_out, av_out, kv_out):
     direction, new_m, new_v = adam_rows(
         g_ref[...].astype(jnp.float32), (qm_ref[...], am_ref[...], km_ref[...]),
-        (qv_ref[...], av_ref[...], kv_ref[...]), (bc_ref[0], bc_ref[1]), **hyper)
+        (qv_ref[...], av_ref[...], kv_ref[...]), (bc_ref[0], bc_ref[1]), ops=ops, **hyper)
     d_out[...] = direction
     for ref, x in zip((qm_out, am_out, km_out, qv_out, av_out, kv_out), (*new_m, *new_v)):
       ref[...] = x
@@ -195,6 +234,10 @@ def _per_shard(fn, n: int):
 
 def update_leaf(kernel: str, g, m_parts, v_parts, bcs, **hyper):
   """One param's step in param-shaped arrays: (direction, new m parts, new v parts)."""
+  if kernel == "auto":   # the Triton kernel where the step is lowered for CUDA, jnp elsewhere
+    return jax.lax.platform_dependent(
+        g, m_parts, v_parts, bcs, cuda=functools.partial(update_leaf, "pallas", **hyper),
+        default=functools.partial(update_leaf, "jnp", **hyper))
   shape = jnp.shape(g)
   if kernel == "pallas":
     stats = lambda x: x.reshape(-1, 1)
@@ -214,8 +257,9 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                       eps_root: float = 0.0, kernel: str = "jnp"
                       ) -> optax.GradientTransformation:
   """moments.scale_by_adam_stored(moments="fp8") with each tensor's step in one pass
-  (kernel "jnp" or "pallas"; "reference" is scale_by_adam_stored itself): the same state
-  tree (a checkpoint of either restores in the other) and the same numbers."""
+  (kernel "jnp", "pallas" or "auto": pallas on the GPU, jnp elsewhere; "reference" is
+  scale_by_adam_stored itself): the same state tree (a checkpoint of any restores in the
+  others) and, on the CPU, the same numbers."""
   if kernel not in KERNELS:
     raise ValueError(f"opt.moments_kernel={kernel!r}; valid: {list(KERNELS)}")
   if kernel == "reference":

@@ -54,6 +54,20 @@ _LOG2_RANGE = float(np.log2(_E4M3.max / 2.0**-6))   # log2 of E4M3's normal rang
 _Z_SCALE = np.float32(1.0 / _E4M3.max)   # q -> z
 
 
+class MathOps(NamedTuple):
+  """The float32 functions the codec and Adam's direction are written with. PRECISE (jnp's,
+  compiled by XLA) is the reference everywhere; train/fp8_adam.py's Triton kernel passes the
+  GPU's approximate instructions instead (fp8_adam.FAST_PTX): the same formulas, ~2 ulp per
+  function, which the 3-bit mantissa of what is stored cannot see."""
+  log2: Callable[[jax.Array], jax.Array]
+  exp2: Callable[[jax.Array], jax.Array]
+  div: Callable[[jax.Array, jax.Array], jax.Array]
+  sqrt: Callable[[jax.Array], jax.Array]
+
+
+PRECISE = MathOps(jnp.log2, jnp.exp2, jnp.divide, jnp.sqrt)
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
   """How a float32 moment is stored: encode(x) -> parts, decode(parts, shape) -> float32.
@@ -99,12 +113,13 @@ def _group_range(xg: jax.Array) -> tuple[jax.Array, jax.Array]:
   return as_float(amax), jnp.where(amin == big, as_float(amax), as_float(amin))
 
 
-def encode_groups(xg: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def encode_groups(xg: jax.Array, ops: MathOps = PRECISE
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """fp8_encode of grouped float32 values [..., G, GROUP] (subnormals not yet flushed):
   (q float8_e4m3fn [..., G, GROUP], a [..., G, 1], k [..., G, 1]). train/fp8_adam.py
   runs the same ops on its blocks of groups."""
   xg = formats.flush_subnormals(xg)
-  return encode_in_range(xg, *_group_range(xg))
+  return encode_in_range(xg, *_group_range(xg), ops=ops)
 
 
 def flushed_range(xg: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -112,26 +127,28 @@ def flushed_range(xg: jax.Array) -> tuple[jax.Array, jax.Array]:
   return _group_range(formats.flush_subnormals(xg))
 
 
-def encode_in_range(xg: jax.Array, amax: jax.Array, amin: jax.Array
+def encode_in_range(xg: jax.Array, amax: jax.Array, amin: jax.Array, ops: MathOps = PRECISE
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """encode_groups with its group range given (flushed xg and its flushed_range)."""
   # log2 of the range as a difference: amax / amin would overflow for extreme groups.
-  spread = jnp.log2(amax) - jnp.log2(amin)
-  k = jnp.minimum(jnp.where(spread > 0, _LOG2_RANGE / jnp.where(spread > 0, spread, 1.0),
+  spread = ops.log2(amax) - ops.log2(amin)
+  k = jnp.minimum(jnp.where(spread > 0, ops.div(jnp.full_like(spread, _LOG2_RANGE),
+                                                jnp.where(spread > 0, spread, 1.0)),
                             K_MAX), K_MAX)
-  ratio = jnp.abs(xg) / jnp.where(amax > 0, amax, 1.0)      # in [0, 1]; 0 in a zero group
-  z = jnp.sign(xg) * jnp.exp2(k * jnp.log2(ratio))          # log2(0) = -inf -> z = 0
+  ratio = ops.div(jnp.abs(xg), jnp.where(amax > 0, amax, 1.0))  # in [0, 1]; 0: a zero group
+  z = jnp.sign(xg) * ops.exp2(k * ops.log2(ratio))          # log2(0) = -inf -> z = 0
   fmax = np.float32(_E4M3.max)
   y = z * fmax
   y = jnp.where(y > fmax, fmax, jnp.where(y < -fmax, -fmax, y))  # float32 rounding at +-1
   return y.astype(_E4M3.dtype), amax, k
 
 
-def decode_groups(qg: jax.Array, amax: jax.Array, k: jax.Array) -> jax.Array:
+def decode_groups(qg: jax.Array, amax: jax.Array, k: jax.Array, ops: MathOps = PRECISE
+                  ) -> jax.Array:
   """The float32 values [..., G, GROUP] of grouped parts (q [..., G, GROUP], a and k
   [..., G, 1])."""
   zg = qg.astype(jnp.float32) * _Z_SCALE
-  return jnp.sign(zg) * amax * jnp.exp2(jnp.log2(jnp.abs(zg)) / k)
+  return jnp.sign(zg) * amax * ops.exp2(ops.div(ops.log2(jnp.abs(zg)), k))
 
 
 def fp8_encode(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
