@@ -9,9 +9,10 @@
 Variants: optax.adamw with float32 moments (the default), and opt.moments=fp8 with each
 opt.moments_kernel (train/fp8_adam.py): "reference" (decode, optax's Adam, encode),
 "jnp" (one pass per tensor for XLA to fuse) and "pallas" (a Pallas kernel; "fp8_pallas_rN"
-runs it with N rows of 128 per program instead of fp8_adam.BLOCK_ROWS; "fp8_pallas_precise"
-with libdevice's exactly rounded log2/exp2/sqrt and IEEE division instead of the GPU's
-approximate instructions, fp8_adam.FAST_PTX). Each is the
+runs it with N rows of 128 per program instead of fp8_adam.BLOCK_ROWS, "_wN" with N warps
+per program instead of fp8_adam.NUM_WARPS, "_precise" with libdevice's exactly rounded
+log2/exp2/sqrt and Triton's division instead of the GPU's approximate instructions,
+fp8_adam.FAST_PTX; e.g. fp8_pallas_r8_w2). Each is the
 project's own optimizer (train/optim.py, opt.clip_norm=0: the update alone) followed by
 optax.apply_updates, jitted with the state donated, as the train step runs it. Params
 (float32) and gradients (bfloat16, as train/grads.py hands them over) are allocated on the
@@ -76,20 +77,25 @@ def make_update(variant: str):
   from infir2_jax.train.optim import make_optimizer
   from infir2_jax.train import fp8_adam
   moments, kernel = ("fp32", "jnp") if variant == "optax_fp32" else ("fp8", variant[4:])
-  precise = kernel.endswith("_precise")      # fp8_pallas_precise: libdevice's exact math
-  kernel = kernel.removesuffix("_precise")
-  kernel, _, rows = kernel.partition("_r")   # fp8_pallas_r256: 256 rows per program
+  # fp8_pallas[_rN][_wN][_precise]: N rows per program, N warps, libdevice's exact math
+  kernel, *options = kernel.split("_")
+  option = lambda key, default: next((int(o[1:]) for o in options if o[0] == key
+                                      and o[1:].isdigit()), default)
+  settings = {"BLOCK_ROWS": option("r", fp8_adam.BLOCK_ROWS),
+              "NUM_WARPS": option("w", fp8_adam.NUM_WARPS),
+              "FAST_MATH": "precise" not in options}
   tx = make_optimizer(OptConfig(moments=moments, moments_kernel=kernel, clip_norm=0.0,
                                 warmup_steps=1), 1000)
 
   def update(params, grads, opt_state):
-    saved = fp8_adam.BLOCK_ROWS, fp8_adam.FAST_MATH
-    fp8_adam.BLOCK_ROWS = int(rows or fp8_adam.BLOCK_ROWS)
-    fp8_adam.FAST_MATH = not precise
+    saved = {name: getattr(fp8_adam, name) for name in settings}
+    for name, value in settings.items():
+      setattr(fp8_adam, name, value)
     try:   # read when the kernel is traced, which is now
       updates, opt_state = tx.update(grads, opt_state, params)
     finally:
-      fp8_adam.BLOCK_ROWS, fp8_adam.FAST_MATH = saved
+      for name, value in saved.items():
+        setattr(fp8_adam, name, value)
     return optax.apply_updates(params, updates), opt_state
   return tx, update
 

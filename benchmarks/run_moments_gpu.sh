@@ -20,6 +20,6 @@ timeout 120 python3 benchmarks/moments_update.py --tiny --steps=2 --iters=3 \
   --variants=fp8_reference,fp8_jnp,fp8_pallas,fp8_pallas_precise \
   --out="$OUT/moments_update_tiny.json" 2>&1 | grep --line-buffered -v "^W0000\|^I0000" \
   | tail -4 | tee "$OUT/tiny.log"
-timeout 400 python3 benchmarks/moments_update.py --configs="$CONFIGS" --variants="$VARIANTS" \
+timeout 420 python3 benchmarks/moments_update.py --configs="$CONFIGS" --variants="$VARIANTS" \
   --steps=2 --iters=10 --out="$OUT/moments_update_h200.json" 2>&1 \
   | grep --line-buffered -v "^W0000\|^I0000" | tee "$OUT/bench.log" | grep -E "ms|bit-ident" | tail -20

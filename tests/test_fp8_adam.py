@@ -292,7 +292,7 @@ def test_triton_kernel_lowered_for_cuda_uses_the_chosen_math(monkeypatch, fast_m
         lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text   # auto picks the Triton kernel for CUDA
   exact = {"__nv_log2f", "__nv_exp2f", "__nv_sqrtf"}
-  approx = ("lg2.approx.f32", "ex2.approx.f32", "div.full.f32", "sqrt.approx.f32")
+  approx = ("lg2.approx.f32", "ex2.approx.f32", "rcp.approx.f32", "sqrt.approx.f32")
   called = set(re.findall(r"__nv_\w+", text))
   if fast_math:
     assert all(a in text for a in approx) and not called & exact, called

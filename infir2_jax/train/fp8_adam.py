@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 from jax.sharding import PartitionSpec as P
 
 from infir2_jax.precision import formats
@@ -81,7 +82,6 @@ def adam_rows(g_NxG, m_parts, v_parts, bias_corrections, *, b1, b2, eps, eps_roo
 def _ptx(instruction: str, *args: jax.Array) -> jax.Array:
   """One float32 PTX instruction applied elementwise inside a Triton kernel (args broadcast
   to one shape, as the inline assembly needs)."""
-  from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
   args = jnp.broadcast_arrays(*(jnp.asarray(a, jnp.float32) for a in args))
   operands = ", ".join(f"${i + 1}" for i in range(len(args)))
   [out] = pl_triton.elementwise_inline_asm(
@@ -91,17 +91,26 @@ def _ptx(instruction: str, *args: jax.Array) -> jax.Array:
   return out
 
 
+def _at_least_rank(y: jax.Array, rank: int) -> jax.Array:
+  """A scalar as [1, ...] of `rank` axes (Triton's lowering broadcasts no rank-0 tensor)."""
+  return jnp.reshape(y, (1,) * rank) if jnp.ndim(y) == 0 else y
+
+
 # The GPU's approximate float32 instructions (PTX ISA: lg2/ex2 .approx, ~2 ulp, subnormals
-# kept; div.full, 2 ulp over the whole range; sqrt.approx, ~1 ulp) in place of libdevice's
-# exact-rounding routines, which Pallas' Triton lowering calls for jnp.log2/exp2/sqrt:
-# the update is 4 log2, 4 exp2, 7 divisions and a square root per element, and with the
-# exact forms it is bound by instructions, not memory (benchmarks/moments_update.py).
+# kept; rcp.approx, 1 ulp, subnormal results kept; sqrt.approx, ~1 ulp) in place of
+# libdevice's exactly rounded routines, which Pallas' Triton lowering calls for
+# jnp.log2/exp2/sqrt: the update is 4 log2, 4 exp2, 7 divisions and a square root per
+# element, and with the exact forms it is bound by instructions, not memory
+# (benchmarks/moments_update.py). A division is a multiplication by the divisor's
+# reciprocal, taken at the divisor's own shape: once per group for the scale and exponent
+# (a, k), once per program for the bias corrections, once per element for the direction.
 FAST_PTX = moments.MathOps(
     log2=lambda x: _ptx("lg2.approx.f32", x),
     exp2=lambda x: _ptx("ex2.approx.f32", x),
-    div=lambda x, y: _ptx("div.full.f32", x, y),
+    div=lambda x, y: x * _ptx("rcp.approx.f32", _at_least_rank(y, jnp.ndim(x))),
     sqrt=lambda x: _ptx("sqrt.approx.f32", x))
 FAST_MATH = True   # Triton kernel: FAST_PTX (read when traced; the benchmark flips it)
+NUM_WARPS = 4      # Triton kernel: warps per program (read when traced; the benchmark sweeps)
 
 
 def adam_rows_recomputed(g_NxG, m_parts, v_parts, bias_corrections, *, b1, b2, eps,
@@ -171,7 +180,8 @@ def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=None, interpret=Non
   args = (g_NxG, *m_parts, *v_parts, bcs)
   if interpret is None:   # Triton where it is lowered for CUDA (also ahead of time, on a CPU)
     out = jax.lax.platform_dependent(
-        *args, cuda=_jitted_triton_kernel(r, tuple(sorted(hyper.items())), FAST_MATH),
+        *args, cuda=_jitted_triton_kernel(r, tuple(sorted(hyper.items())), FAST_MATH,
+                                          NUM_WARPS),
         default=functools.partial(_kernel_call, r, True, hyper))
   else:
     out = _kernel_call(r, interpret, hyper, *args)
@@ -179,16 +189,17 @@ def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=None, interpret=Non
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_triton_kernel(r: int, hyper: tuple, fast_math: bool):
+def _jitted_triton_kernel(r: int, hyper: tuple, fast_math: bool, num_warps: int):
   """_kernel_call as one jitted function: params of one shape (the same projection of every
   unrolled layer) share its jaxpr, so a step lowers the Triton kernel once per shape, not
   once per param (338 params at 1.5B unrolled). Only the CUDA branch: on the CPU the
   interpreted kernel stays inlined (a nested jit there moves the direction by an ulp)."""
-  return jax.jit(functools.partial(_kernel_call, r, False, dict(hyper), fast_math=fast_math))
+  return jax.jit(functools.partial(_kernel_call, r, False, dict(hyper), fast_math=fast_math,
+                                   num_warps=num_warps))
 
 
 def _kernel_call(r: int, interpret: bool, hyper: dict, g_NxG, qm, am, km, qv, av, kv, bcs,
-                 fast_math: bool = False):
+                 fast_math: bool = False, num_warps: int | None = None):
   n = g_NxG.shape[0]
   lanes_spec = pl.BlockSpec((r, moments.GROUP), lambda i: (i, 0))
   group_spec = pl.BlockSpec((r, 1), lambda i: (i, 0))
@@ -215,6 +226,7 @@ def _kernel_call(r: int, interpret: bool, hyper: dict, g_NxG, qm, am, km, qv, av
                  *parts_shapes],
       # The moments are rewritten in place (the train step donates the state).
       input_output_aliases={1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6},
+      compiler_params=None if interpret else pl_triton.CompilerParams(num_warps=num_warps),
       interpret=interpret, name="fp8_adam")(g_NxG, qm, am, km, qv, av, kv, bcs)
 
 
