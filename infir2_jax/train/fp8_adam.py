@@ -49,7 +49,7 @@ from infir2_jax.precision import formats
 from infir2_jax.train import moments
 
 KERNELS = ("auto", "jnp", "pallas", "reference")   # valid values of opt.moments_kernel
-BLOCK_ROWS = 32                            # Pallas: most rows (groups) per program
+BLOCK_ROWS = 8     # Pallas: most rows (groups) per program (8: fastest of 8-64, session 20)
 
 
 def new_moments(g_NxG, m_parts, v_parts, *, b1, b2, ops=moments.PRECISE):
