@@ -177,6 +177,7 @@ elif [[ $STAGE == startup ]]; then
     if [[ $run == resume ]]; then dir=/tmp/su_warm; steps=5; fi
     timeout 200 python3 -m infir2_jax.train --config=configs/1p5b.py --workdir="$dir" \
       --config.steps=$steps --config.eval.every_steps=0 --config.checkpoint.every_steps=0 \
+      --config.data.tokenizer=default \
       --config.log.progress_bar=False > "$OUT/startup_$run.log" 2>&1
     echo "$run rc=$?"; grep -iE "start-up|phase|compile|memory" "$OUT/startup_$run.log" | head -8
   done
