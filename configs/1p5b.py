@@ -5,11 +5,15 @@
   python -m infir2_jax.train --config=configs/1p5b.py \
       --config.init.hf_checkpoint=/path/to/Qwen2.5-1.5B                       # from real weights
   python -m infir2_jax.train --config=configs/1p5b.py:fast                    # the fastest step
+  python -m infir2_jax.train --config=configs/1p5b.py:lean                    # the least memory
 
 Variants: "smoke" (the real shapes, a few steps); "fast" (unrolled layers that keep the FP8
 residuals: on one H200 at 2 x 8192 infir2's step took 351.5 ms against 407 scanned, 0.921x
 bf16 unrolled, for 65.0 GiB peak instead of 60.2 and ~75 s of cold compile instead of ~44;
-benchmarks/results/train_step_h200_1p5b_s16_8k_unrolled.json).
+benchmarks/results/train_step_h200_1p5b_s16_8k_unrolled.json); "lean" (fast, with Adam's
+moments in FP8 and the LM head and loss 2048 tokens at a time: 44.0 GiB peak, 0.73x bf16's
+60.2, in 363.7 ms a step against the default's 396.8, session 20,
+benchmarks/results/train_step_h200_1p5b_s20_8k_memfast.json).
 
 Architecture = HF Qwen/Qwen2.5-1.5B config.json. Schedule: the paper's WSD, scaled to `steps`.
 """
@@ -54,9 +58,13 @@ def get_config(variant: str | None = None):
     config.opt.warmup_steps = 2
     config.checkpoint.every_steps = 0
     config.eval.every_steps = 0
-  elif variant == "fast":
+  elif variant in ("fast", "lean"):
     config.model.scan_layers = False       # no stacking copies; each layer its own GEMM plan
     config.model.remat = "save_dots_fp8"   # keep the backward's FP8 operands: no re-quantizing
+    if variant == "lean":
+      config.opt.moments = "fp8"           # 2.1 bytes a param for Adam's moments, not 8
+      config.model.loss_chunk = 2048       # no [tokens, vocab] float32 logits
   elif variant:
-    raise ConfigError(f"unknown variant {variant!r} of configs/1p5b.py; valid: 'smoke', 'fast'")
+    raise ConfigError(f"unknown variant {variant!r} of configs/1p5b.py; valid: 'smoke', "
+                      "'fast', 'lean'")
   return config

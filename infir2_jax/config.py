@@ -234,6 +234,9 @@ class TrainConfig:
     if self.batch_size % self.grad_accum_steps:
       raise ConfigError(f"batch_size={self.batch_size} is not divisible by "
                         f"grad_accum_steps={self.grad_accum_steps}")
+    if self.model.loss_fused and self.precision.quantize_lm_head:
+      raise ConfigError("model.loss_fused computes a BF16 LM head; it cannot be combined with "
+                        "precision.quantize_lm_head=True (set model.loss_fused=False)")
 
   @classmethod
   def from_config_dict(cls, config: ml_collections.ConfigDict) -> "TrainConfig":

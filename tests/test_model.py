@@ -198,3 +198,27 @@ def test_1p5b_fast_variant_is_the_measured_fastest_step():
   label = next(l for l in rows if l.startswith("infir2~")
                and set(l.split("~")[1:]) == {f"{k}={v}" for k, v in changed.items()})
   assert rows[label]["median_step_s"] == min(r["median_step_s"] for r in rows.values())
+
+
+def test_1p5b_lean_variant_is_the_measured_low_memory_step():
+  """configs/1p5b.py:lean is the fast variant with FP8 moments and the chunked loss, the row
+  of the committed result that peaks under 0.8x bf16's memory in less time than the
+  default configuration's step in the same run."""
+  import json
+  from infir2_jax.config import load_config
+  path = os.path.join(ROOT, "configs", "1p5b.py")
+  flat = lambda d, p="": ({k2: v2 for k, v in d.items() for k2, v2 in flat(v, p + k + ".").items()}
+                          if isinstance(d, dict) else {p[:-1]: d})
+  base = flat(dataclasses.asdict(load_config(path)))
+  lean = flat(dataclasses.asdict(load_config(path + ":lean")))
+  changed = {k: lean[k] for k in lean if lean[k] != base.get(k)}
+  assert changed == {"model.scan_layers": False, "model.remat": "save_dots_fp8",
+                     "opt.moments": "fp8", "model.loss_chunk": 2048}
+  results = os.path.join(ROOT, "benchmarks", "results")
+  with open(os.path.join(results, "train_step_h200_1p5b_s20_8k_memfast.json")) as f:
+    rows = {r["label"]: r for r in json.load(f)["variants"] if "error" not in r}
+  with open(os.path.join(results, "train_step_h200_1p5b_s20_8k_bf16.json")) as f:
+    bf16 = json.load(f)["variants"][0]
+  label = next(l for l in rows if set(l.split("~")[1:]) == {f"{k}={v}" for k, v in changed.items()})
+  assert rows[label]["peak_memory_gib"] <= 0.8 * bf16["peak_memory_gib"]
+  assert rows[label]["median_step_s"] < rows["infir2"]["median_step_s"]   # the default's

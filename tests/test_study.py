@@ -125,6 +125,29 @@ def test_estimates_scale_with_runs_sharing_the_device(tmp_path):
   assert len(chosen) == 3 and est == 400.0
 
 
+def test_estimates_take_runs_finished_in_one_attempt_first(tmp_path):
+  """A run resumed after a stop records the sum of its attempts; that is no run's time, and
+  (session 19's 772 s against 270-409) it made 420-s slices plan nothing."""
+  res = str(tmp_path)
+  for name, recipe, wall, attempts in (("a", "bf16", 270.0, 1), ("b", "infir2", 409.0, 1),
+                                       ("c", "infir2_fp32_scale", 772.0, 2)):
+    os.makedirs(os.path.join(res, name))
+    rundir.write_json(os.path.join(res, name, sweep.DONE_FILE),
+                      {"wall_s": wall, "parallel": 4, "attempts": attempts})
+    rundir.write_json(os.path.join(res, name, sweep.RUN_FILE),
+                      {"axes": {"precision.recipe": recipe}})
+  run = lambda recipe: grid.Run(recipe, (("precision.recipe", recipe),), ())
+  assert study.estimate_s(run("infir2_wgrad_dy_bf16"), res, 4) == 409.0  # not 772
+  assert study.estimate_s(run("infir2_fp32_scale"), res, 4) == 409.0     # its own: resumed
+  assert study.estimate_s(run("bf16"), res, 4) == 270.0
+  pending = [run(r) for r in ("infir2_wgrad_dy_bf16", "bf16", "infir2", "infir2_fp32_scale")]
+  chosen, est = study.plan(pending, res, str(tmp_path / "w"), 420.0, 4)
+  assert len(chosen) == 4 and est == 409.0
+  os.remove(os.path.join(res, "a", sweep.DONE_FILE))
+  os.remove(os.path.join(res, "b", sweep.DONE_FILE))   # only the resumed run is left
+  assert study.estimate_s(run("bf16"), res, 4) == 772.0
+
+
 def test_kill_leaves_no_half_written_result_and_the_next_call_finishes(tmp_path):
   res, work = str(tmp_path / "runs"), str(tmp_path / "work")
   spec = _spec(seeds=(0,))

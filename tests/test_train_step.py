@@ -150,6 +150,82 @@ def test_chunked_loss_equals_whole_rows_and_holds_fewer_logits(tie):
   assert temps[16] < temps[0] - logits_bytes, temps
 
 
+@pytest.mark.parametrize("vocab_axis", [0, 1])
+def test_fused_head_loss_is_the_whole_row_loss_bit_for_bit(vocab_axis):
+  """train/loss.py's fused head and loss on bf16 operands (tied [V, D] / untied [D, V]
+  head): the loss sums and both gradients equal the whole-row head + loss's bit for bit
+  (the bf16 GEMMs, the float32 cotangent rounded to bf16), where the recomputing chunked
+  loss sums the head's gradient in bf16 per chunk and is only close."""
+  from infir2_jax.precision import gemm  # pylint: disable=import-outside-toplevel
+  from infir2_jax.train import loss as loss_lib  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  rows, length, d, vocab = 2, 64, 32, 100
+  hidden = jnp.asarray(rng.standard_normal((rows, length, d)), jnp.bfloat16)
+  shape = (vocab, d) if vocab_axis == 0 else (d, vocab)
+  weight = jnp.asarray(rng.standard_normal(shape) * 0.3, jnp.bfloat16)
+  targets = jnp.asarray(rng.integers(0, vocab, (rows, length)), jnp.int32)
+  mask = jnp.asarray(rng.random((rows, length)) < 0.7, jnp.float32)   # SFT-like, uneven
+  dims = (((2,), (1 - vocab_axis,)), ((), ()))
+  head = lambda h, w: gemm.bf16_dot_general(h, w, dims, preferred_element_type=jnp.float32)
+  forms = {
+      "whole": lambda h, w: loss_lib.cross_entropy_sums(head(h, w), targets, mask),
+      "chunked": lambda h, w: loss_lib.chunked_cross_entropy_sums(
+          lambda x: head(x, w), h, targets, mask, 16),
+      "fused": lambda h, w: loss_lib.fused_head_cross_entropy_sums(
+          h, w, targets, mask, 16, vocab_axis)}
+  out = {k: jax.device_get(jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
+      hidden, weight)) for k, f in forms.items()}
+  (loss, count), grads = out["whole"]
+  assert float(count) == float(mask.sum())
+  assert out["fused"][0] == (loss, count)
+  for got, want in zip(out["fused"][1], grads):
+    assert got.dtype == want.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  assert not np.array_equal(out["chunked"][1][1], grads[1])   # bf16 sums per chunk
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_fused_loss_in_the_model_equals_whole_rows_without_their_logits(tie):
+  """model.loss_fused in the model (float32 compute): the loss sums and gradients of whole
+  rows (float32 summation order apart); XLA's temporaries drop by about the whole-row
+  logits, and the compiled step has fewer GEMMs than the recomputing chunked loss."""
+  vocab, length = 2048, 64
+  cfg = dataclasses.replace(TINY, vocab_size=vocab, tie_embeddings=tie)
+  batch = make_batch(rows=4, length=length)
+  batch["targets"] = (batch["targets"] * 7) % vocab
+  model = Qwen2(cfg)
+  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  results, temps, dots = {}, {}, {}
+  for name, kw in (("whole", {}), ("chunked", {"loss_chunk": 16}),
+                   ("fused", {"loss_chunk": 16, "loss_fused": True})):
+    variant = Qwen2(dataclasses.replace(cfg, **kw))
+    fn = jax.jit(jax.value_and_grad(lambda p, b, m=variant: loss_sums(m, p, b), has_aux=True))
+    results[name] = jax.device_get(fn(params, batch))
+    compiled = fn.lower(params, batch).compile()
+    temps[name] = compiled.memory_analysis().temp_size_in_bytes
+    dots[name] = compiled.as_text().count(" dot(")
+  (loss, count), grads = results["whole"]
+  (f_loss, f_count), f_grads = results["fused"]
+  assert float(f_count) == float(count) == batch["loss_mask"].sum()
+  np.testing.assert_allclose(float(f_loss), float(loss), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(f_grads)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+  logits_bytes = 4 * length * vocab * 4
+  assert temps["fused"] < temps["whole"] - logits_bytes, temps
+  assert dots["fused"] < dots["chunked"], dots   # no LM-head GEMM recomputed
+
+
+def test_fused_loss_needs_a_chunk_and_a_bf16_head():
+  from infir2_jax.config import ConfigError, load_config  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ConfigError, match="loss_fused=True needs model.loss_chunk"):
+    dataclasses.replace(TINY, loss_fused=True)
+  with pytest.raises(ConfigError, match="quantize_lm_head"):
+    load_config("configs/default.py", ["--config.model.loss_chunk=64",
+                                       "--config.model.loss_fused=True",
+                                       "--config.precision.quantize_lm_head=True"])
+
+
 def test_loss_chunk_must_divide_the_sequence():
   model = Qwen2(dataclasses.replace(TINY, loss_chunk=5))
   params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
@@ -259,3 +335,20 @@ def test_bf16_gradients_are_the_float32_gradients_bit_for_bit(scan):
   for a, b in zip(jax.tree.leaves((new["params"], new["opt_state"])),
                   jax.tree.leaves((optax.apply_updates(params, updates), ref_opt))):
     np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-8)
+
+
+def test_fused_loss_evaluated_without_gradients_makes_none():
+  """An eval step (no jax.grad) of model.loss_fused runs the chunks' loss alone: the same
+  sums, and no more GEMMs than the recomputing chunked loss's forward (one per chunk)."""
+  vocab, length = 2048, 64
+  cfg = dataclasses.replace(TINY, vocab_size=vocab, loss_chunk=16)
+  batch = make_batch(rows=4, length=length)
+  batch["targets"] = (batch["targets"] * 7) % vocab
+  model = Qwen2(cfg)
+  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  fused = Qwen2(dataclasses.replace(cfg, loss_fused=True))
+  evals = [jax.jit(lambda p, b, m=m: loss_sums(m, p, b)) for m in (model, fused)]
+  sums = [jax.device_get(f(params, batch)) for f in evals]
+  np.testing.assert_allclose(np.asarray(sums[1]), np.asarray(sums[0]), rtol=1e-6)
+  dots = [f.lower(params, batch).compile().as_text().count(" dot(") for f in evals]
+  assert dots[1] == dots[0], dots

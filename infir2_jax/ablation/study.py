@@ -49,10 +49,15 @@ def estimate_s(run: Run, results_dir: str, parallel: int) -> float | None:
 
   The same recipe's runs first, then any run; a time measured with k runs at once counts as
   k/parallel of the device, so it is scaled by parallel/k when parallel > k (never down: a
-  device that was not saturated would make the estimate optimistic). None: nothing measured.
+  device that was not saturated would make the estimate optimistic). Runs that finished in
+  one attempt are what a planned run takes; a run resumed after a stop records the sum of
+  its attempts (a second start-up and the steps past its last checkpoint again: session 19's
+  infir2_fp32_scale, 772 s against 270-409 for the others, which made every later slice of
+  420-460 s plan nothing), so those count only where no single-attempt run is measured.
+  None: nothing measured.
   """
   recipe = dict(run.axes).get("precision.recipe")
-  same, other = [], []
+  same, other, same_resumed, other_resumed = [], [], [], []
   for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
     done = rundir.read_json(os.path.join(results_dir, name, sweep.DONE_FILE))
     if not done or not done.get("wall_s"):
@@ -61,8 +66,12 @@ def estimate_s(run: Run, results_dir: str, parallel: int) -> float | None:
         "axes", {})
     k = max(1, int(done.get("parallel") or 1))
     t = float(done["wall_s"]) * max(1.0, parallel / k)
-    (same if axes.get("precision.recipe") == recipe else other).append(t)
-  times = same or other
+    is_same = axes.get("precision.recipe") == recipe
+    if int(done.get("attempts") or 1) > 1:
+      (same_resumed if is_same else other_resumed).append(t)
+    else:
+      (same if is_same else other).append(t)
+  times = same or other or same_resumed or other_resumed
   return max(times) if times else None
 
 

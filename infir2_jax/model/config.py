@@ -60,6 +60,11 @@ class ModelConfig:
   # tokens x 152k vocab the whole-row logits and their gradient are ~30 GB); each chunk's
   # logits are recomputed in the backward pass (one more LM-head GEMM).
   loss_chunk: int = 0
+  # With loss_chunk: the LM head and the loss as one custom derivative that makes each
+  # chunk's gradients in the forward pass (train/loss.py, fused_head_cross_entropy_sums): no
+  # LM-head GEMM recomputed, and the whole-row loss's numbers (float32 sums of the weight
+  # gradient across chunks). Needs a BF16 head (not precision.quantize_lm_head).
+  loss_fused: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -88,6 +93,9 @@ class ModelConfig:
       raise ConfigError(f"model.max_documents must be >= 1, got {self.max_documents}")
     if self.loss_chunk < 0:
       raise ConfigError(f"model.loss_chunk must be >= 0 (0: no chunking), got {self.loss_chunk}")
+    if self.loss_fused and not self.loss_chunk:
+      raise ConfigError("model.loss_fused=True needs model.loss_chunk > 0 (the positions per "
+                        "row of each chunk, e.g. 2048)")
     if self.document_kernel not in DOCUMENT_KERNELS:
       raise ConfigError(f"model.document_kernel={self.document_kernel!r}; valid: "
                         f"{', '.join(map(repr, DOCUMENT_KERNELS))}")

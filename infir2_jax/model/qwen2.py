@@ -105,6 +105,18 @@ class Qwen2(nn.Module):
     return _f32_factory(self.dot_general_factory)("lm_head")(
         x_BxLxD, kernel_DxV, (((x_BxLxD.ndim - 1,), (0,)), ((), ())))
 
+  def head_weight(self, params) -> tuple[jax.Array, int]:
+    """(the LM head's weight in the compute dtype, its vocabulary axis) as head_logits uses
+    it: the tied embedding table [V, D] (axis 0) or the kernel [D, V] (axis 1). The fused
+    head and loss (model.loss_fused) take it with the hidden states."""
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    if cfg.tie_embeddings:
+      return nn.with_logical_constraint(params["embed_tokens"]["embedding"].astype(dtype),
+                                        compute_axes(("vocab", "embed"))), 0
+    return nn.with_logical_constraint(params["lm_head"]["kernel"].astype(dtype),
+                                      compute_axes(("embed", "vocab"))), 1
+
   def _scanned_layers(self, x_BxLxD, positions_BxL, segment_ids_BxL):
     """The layers as one lax.scan over their params, stacked on a leading axis per step."""
     cfg = self.config

@@ -1,9 +1,13 @@
 """Token-level cross-entropy in float32, returned as sums so micro-batches add up exactly."""
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from infir2_jax.precision import gemm
 
 
 def cross_entropy_sums(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
@@ -42,3 +46,100 @@ def chunked_cross_entropy_sums(logits_fn: Callable[[jax.Array], jax.Array],
   sums, _ = jax.lax.scan(body, (zero, zero),
                          (split(hidden_BxLxD), split(targets_BxL), split(weights_BxL)))
   return sums
+
+
+def fused_head_cross_entropy_sums(hidden_BxLxD: jax.Array, weight: jax.Array,
+                                  targets_BxL: jax.Array, weights_BxL: jax.Array, chunk: int,
+                                  vocab_axis: int) -> tuple[jax.Array, jax.Array]:
+  """cross_entropy_sums of the BF16 LM head's float32 logits, a chunk of `chunk` positions
+  per row at a time, with each chunk's gradient made in the forward pass (model.loss_fused).
+
+  The LM head and the loss are one custom derivative (Liger-Kernel's fused linear
+  cross-entropy, in XLA ops): the forward scan computes a chunk's logits, its log-sum-exp
+  and loss, and at once the gradient of the summed loss with respect to them,
+  (softmax - onehot(target)) x weight, rounded to the operands' dtype (the bf16-cotangent
+  rule of precision/gemm.py's head), and from it the chunk's hidden-state gradient and its
+  share of the head weight's gradient (summed over chunks in float32, rounded once). No
+  [B, L, V] float32 logits exist, and unlike chunked_cross_entropy_sums no LM-head GEMM is
+  recomputed in the backward pass: it scales the saved gradients by the loss's cotangent.
+
+  weight: the head in the compute dtype, [V, D] (vocab_axis=0: the tied embedding table) or
+  [D, V] (vocab_axis=1: an untied kernel). The count (second output) has no gradient.
+  """
+  rows, length = targets_BxL.shape
+  if length % chunk:
+    raise ValueError(f"model.loss_chunk={chunk} must divide the sequence length {length}")
+  dtypes = (jnp.dtype(hidden_BxLxD.dtype), jnp.dtype(weight.dtype))
+  return _fused_head_ce(hidden_BxLxD, weight, targets_BxL, weights_BxL, chunk, vocab_axis,
+                        dtypes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _fused_head_ce(hidden, weight, targets, weights, chunk, vocab_axis, dtypes):
+  """Not differentiated (evaluation): the chunks' loss alone, no gradients made."""
+  del dtypes
+  logits_dims = (((2,), (1 - vocab_axis,)), ((), ()))
+  head = lambda h: gemm.bf16_dot_general(h, weight, logits_dims,
+                                         preferred_element_type=jnp.float32)
+  rows, length, _ = hidden.shape
+  split = lambda x: jnp.moveaxis(x.reshape(rows, length // chunk, chunk, *x.shape[2:]), 1, 0)
+
+  def body(sums, chunk_inputs):
+    h, t, m = chunk_inputs
+    loss, count = cross_entropy_sums(head(h), t, m)
+    return (sums[0] + loss, sums[1] + count), None
+
+  zero = jnp.zeros((), jnp.float32)
+  sums, _ = jax.lax.scan(body, (zero, zero), (split(hidden), split(targets), split(weights)))
+  return sums
+
+
+def _fused_head_ce_fwd(hidden, weight, targets, weights, chunk, vocab_axis, dtypes):
+  del dtypes
+  rows, length, _ = hidden.shape
+  d_axis = 1 - vocab_axis
+  split = lambda x: jnp.moveaxis(x.reshape(rows, length // chunk, chunk, *x.shape[2:]), 1, 0)
+  # [B, C, D] x weight -> [B, C, V]; [B, C, V] x weight -> [B, C, D]; over the chunk's tokens:
+  # [B, C, V] x [B, C, D] -> [V, D] (tied) or [B, C, D] x [B, C, V] -> [D, V] (untied).
+  logits_dims = (((2,), (d_axis,)), ((), ()))
+  dgrad_dims = (((2,), (vocab_axis,)), ((), ()))
+  wgrad_dims = (((0, 1), (0, 1)), ((), ()))
+
+  def body(carry, chunk_inputs):
+    loss, count, dweight = carry
+    h, t, m = chunk_inputs
+    logits = gemm.bf16_dot_general(h, weight, logits_dims, preferred_element_type=jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+    m = m.astype(jnp.float32)
+    loss, count = loss + jnp.sum((log_z - target_logit) * m), count + jnp.sum(m)
+    onehot = jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
+    dlogits = ((jnp.exp(logits - log_z[..., None]) - onehot) * m[..., None]).astype(h.dtype)
+    dh = gemm.bf16_dot_general(dlogits, weight, dgrad_dims,
+                               preferred_element_type=jnp.float32)
+    pair = (dlogits, h) if vocab_axis == 0 else (h, dlogits)
+    dweight = dweight + gemm.bf16_dot_general(*pair, wgrad_dims,
+                                              preferred_element_type=jnp.float32)
+    return (loss, count, dweight), dh
+
+  zero = jnp.zeros((), jnp.float32)
+  init = (zero, zero, jnp.zeros(weight.shape, jnp.float32))
+  (loss, count, dweight), dh_chunks = jax.lax.scan(
+      body, init, (split(hidden), split(targets), split(weights)))
+  dh = jnp.moveaxis(dh_chunks, 0, 1).reshape(hidden.shape)
+  return (loss, count), (dh, dweight, targets, weights)
+
+
+def _fused_head_ce_bwd(chunk, vocab_axis, dtypes, residuals, cotangents):
+  """The saved float32 gradients times the loss sum's cotangent (1 under jax.grad of the
+  sum, as the train step takes it), rounded once to the inputs' dtypes, as the BF16 head's
+  GEMMs round their outputs. The token count has no gradient."""
+  del chunk, vocab_axis
+  dh, dweight, targets, weights = residuals
+  h_dtype, w_dtype = dtypes
+  g = cotangents[0]
+  return ((dh * g).astype(h_dtype), (dweight * g).astype(w_dtype),
+          np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights))
+
+
+_fused_head_ce.defvjp(_fused_head_ce_fwd, _fused_head_ce_bwd)

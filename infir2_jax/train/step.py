@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from infir2_jax.train import grads as grads_lib
-from infir2_jax.train.loss import chunked_cross_entropy_sums, cross_entropy_sums
+from infir2_jax.train.loss import (chunked_cross_entropy_sums, cross_entropy_sums,
+                                   fused_head_cross_entropy_sums)
 from infir2_jax.precision import telemetry
 
 Batch = dict[str, jax.Array]   # inputs, targets, segment_ids, positions, loss_mask: [B, L]
@@ -22,6 +23,11 @@ def loss_sums(model: nn.Module, params, batch: Batch) -> tuple[jax.Array, jax.Ar
   if chunk and chunk < batch["inputs"].shape[-1]:  # the head and loss a chunk at a time
     hidden_BxLxD = model.apply({"params": params}, batch["inputs"], batch["positions"],
                                batch["segment_ids"], return_hidden=True)
+    if model.config.loss_fused:   # each chunk's gradients made in the forward pass
+      weight, vocab_axis = model.head_weight(params)
+      return fused_head_cross_entropy_sums(hidden_BxLxD.astype(weight.dtype), weight,
+                                           batch["targets"], batch["loss_mask"], chunk,
+                                           vocab_axis)
     return chunked_cross_entropy_sums(lambda h: model.head_logits(params, h), hidden_BxLxD,
                                       batch["targets"], batch["loss_mask"], chunk)
   logits_BxLxV = model.apply({"params": params}, batch["inputs"], batch["positions"],
