@@ -123,16 +123,23 @@ def test_bad_optimizer_config():
     OptConfig(schedule="linear-ish")
 
 
+def loss_problem(**model_overrides):
+  """(model config, batch, params) where the LM head dominates: a 2048-word vocabulary,
+  4 rows of 64 positions with uneven loss masks."""
+  vocab = 2048
+  cfg = dataclasses.replace(TINY, vocab_size=vocab, **model_overrides)
+  batch = make_batch(rows=4, length=64)
+  batch["targets"] = (batch["targets"] * 7) % vocab
+  params = nn.unbox(Qwen2(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  return cfg, batch, params
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_chunked_loss_equals_whole_rows_and_holds_fewer_logits(tie):
   """model.loss_chunk: the same loss sums and gradients (float32), and XLA's temporaries
   shrink by about the whole-row logits it no longer keeps."""
-  vocab, length = 2048, 64
-  cfg = dataclasses.replace(TINY, vocab_size=vocab, tie_embeddings=tie)
-  batch = make_batch(rows=4, length=length)
-  batch["targets"] = (batch["targets"] * 7) % vocab
-  model = Qwen2(cfg)
-  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  cfg, batch, params = loss_problem(tie_embeddings=tie)
+  vocab, length = cfg.vocab_size, batch["targets"].shape[1]
   results, temps = {}, {}
   for chunk in (0, 16):
     chunked = Qwen2(dataclasses.replace(cfg, loss_chunk=chunk))
@@ -189,12 +196,8 @@ def test_fused_loss_in_the_model_equals_whole_rows_without_their_logits(tie):
   """model.loss_fused in the model (float32 compute): the loss sums and gradients of whole
   rows (float32 summation order apart); XLA's temporaries drop by about the whole-row
   logits, and the compiled step has fewer GEMMs than the recomputing chunked loss."""
-  vocab, length = 2048, 64
-  cfg = dataclasses.replace(TINY, vocab_size=vocab, tie_embeddings=tie)
-  batch = make_batch(rows=4, length=length)
-  batch["targets"] = (batch["targets"] * 7) % vocab
-  model = Qwen2(cfg)
-  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  cfg, batch, params = loss_problem(tie_embeddings=tie)
+  vocab, length = cfg.vocab_size, batch["targets"].shape[1]
   results, temps, dots = {}, {}, {}
   for name, kw in (("whole", {}), ("chunked", {"loss_chunk": 16}),
                    ("fused", {"loss_chunk": 16, "loss_fused": True})):
@@ -340,12 +343,8 @@ def test_bf16_gradients_are_the_float32_gradients_bit_for_bit(scan):
 def test_fused_loss_evaluated_without_gradients_makes_none():
   """An eval step (no jax.grad) of model.loss_fused runs the chunks' loss alone: the same
   sums, and no more GEMMs than the recomputing chunked loss's forward (one per chunk)."""
-  vocab, length = 2048, 64
-  cfg = dataclasses.replace(TINY, vocab_size=vocab, loss_chunk=16)
-  batch = make_batch(rows=4, length=length)
-  batch["targets"] = (batch["targets"] * 7) % vocab
+  cfg, batch, params = loss_problem(loss_chunk=16)
   model = Qwen2(cfg)
-  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
   fused = Qwen2(dataclasses.replace(cfg, loss_fused=True))
   evals = [jax.jit(lambda p, b, m=m: loss_sums(m, p, b)) for m in (model, fused)]
   sums = [jax.device_get(f(params, batch)) for f in evals]
