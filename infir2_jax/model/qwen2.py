@@ -93,17 +93,12 @@ class Qwen2(nn.Module):
     """The LM head alone, from `params` (a pure function, outside apply): float32 logits of
     the final hidden states that `__call__(..., return_hidden=True)` returns. The chunked
     loss and decoding call it; the same computation as the end of `__call__`."""
-    cfg = self.config
-    dtype = jnp.dtype(cfg.dtype)
-    x_BxLxD = hidden_BxLxD.astype(dtype)
-    if cfg.tie_embeddings:
-      table_VxD = nn.with_logical_constraint(params["embed_tokens"]["embedding"].astype(dtype),
-                                             compute_axes(("vocab", "embed")))
-      return tied_head(self.dot_general_factory("lm_head"), x_BxLxD, table_VxD)
-    kernel_DxV = nn.with_logical_constraint(params["lm_head"]["kernel"].astype(dtype),
-                                            compute_axes(("embed", "vocab")))
+    x_BxLxD = hidden_BxLxD.astype(jnp.dtype(self.config.dtype))
+    weight, vocab_axis = self.head_weight(params)
+    if vocab_axis == 0:   # the tied embedding table [V, D]
+      return tied_head(self.dot_general_factory("lm_head"), x_BxLxD, weight)
     return _f32_factory(self.dot_general_factory)("lm_head")(
-        x_BxLxD, kernel_DxV, (((x_BxLxD.ndim - 1,), (0,)), ((), ())))
+        x_BxLxD, weight, (((x_BxLxD.ndim - 1,), (0,)), ((), ())))
 
   def head_weight(self, params) -> tuple[jax.Array, int]:
     """(the LM head's weight in the compute dtype, its vocabulary axis) as head_logits uses
