@@ -183,10 +183,12 @@ def test_sharded_one_pass_update_matches_the_unsharded_reference_over_fsdp_8():
   assert_same_bits(results["reference"], jax.device_get((updates, opt_state)))
 
 
-def test_pallas_update_runs_per_shard_with_the_reference_numbers_on_8_devices():
+@pytest.mark.parametrize("kernel", ["pallas", "auto"])
+def test_pallas_update_runs_per_shard_with_the_reference_numbers_on_8_devices(kernel):
   """A cheap sharded check: params split 8 ways on their first or their last axis (32 lanes a
   device: finer than a group); the Pallas step runs on each device's rows (shard_map) and
-  equals the unsharded reference bit for bit."""
+  equals the unsharded reference bit for bit. With "auto" the Pallas branch (the one lowered
+  for CUDA) is traced per device beside the jnp one that runs here."""
   mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
   specs = {"rows": P("fsdp", None), "cols": P(None, "fsdp"), "bias": P()}
   rng = np.random.default_rng(2)
@@ -195,7 +197,7 @@ def test_pallas_update_runs_per_shard_with_the_reference_numbers_on_8_devices():
             "bias": rng.standard_normal((77,)).astype(np.float32)}
   grads = [{k: hard_gradients(p.shape, rng) for k, p in params.items()} for _ in range(2)]
   want = run_steps("reference", params, grads)[-1]
-  tx = fp8_adam.scale_by_adam_fp8(B1, B2, EPS, kernel="pallas")
+  tx = fp8_adam.scale_by_adam_fp8(B1, B2, EPS, kernel=kernel)
   shard = {k: NamedSharding(mesh, s) for k, s in specs.items()}
   state_shardings = optax.tree_map_params(tx, parallel.state.fit_sharding,
                                           jax.eval_shape(tx.init, params), shard,
