@@ -351,3 +351,32 @@ def test_fused_loss_evaluated_without_gradients_makes_none():
   np.testing.assert_allclose(np.asarray(sums[1]), np.asarray(sums[0]), rtol=1e-6)
   dots = [f.lower(params, batch).compile().as_text().count(" dot(") for f in evals]
   assert dots[1] == dots[0], dots
+
+
+def test_fused_loss_sharded_over_fsdp_and_tensor_equals_one_device():
+  """model.loss_fused on 8 devices (fsdp 2 x tensor 4: the head's vocabulary split over
+  tensor, its float32 gradient accumulator placed by propagation): the loss sums and
+  gradients of one device, float32 summation order apart, the head's gradient split too."""
+  import functools  # pylint: disable=import-outside-toplevel
+  from infir2_jax import parallel  # pylint: disable=import-outside-toplevel
+  from infir2_jax.model import init_params  # pylint: disable=import-outside-toplevel
+  cfg, batch, _ = loss_problem(loss_chunk=16, loss_fused=True)
+  model = Qwen2(cfg)
+  mesh_cfg = parallel.MeshConfig(data=1, fsdp=2, tensor=4)
+  mesh = parallel.make_mesh(mesh_cfg)
+  rules = parallel.logical_rules(mesh_cfg, cfg, mesh)
+  state, shardings = parallel.sharded_init(functools.partial(init_params, model),
+                                           optax.sgd(0.1), mesh, rules, jax.random.key(0))
+  grad_fn = jax.value_and_grad(lambda p, b: loss_sums(model, p, b), has_aux=True)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    (loss, count), grads = jax.jit(grad_fn, in_shardings=(shardings["params"], None))(
+        state["params"], batch)
+    head = grads["embed_tokens"]["embedding"]
+    assert head.addressable_shards[0].data.shape[0] == cfg.vocab_size // 4   # split over tensor
+  params = jax.device_get(state["params"])
+  (want_loss, want_count), want = jax.jit(grad_fn)(params, batch)
+  assert float(count) == float(want_count)
+  np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(jax.device_get(grads))):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
