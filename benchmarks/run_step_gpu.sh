@@ -24,9 +24,6 @@
 #        mem (1.5B at 2 x 8192: bf16 unrolled, infir2 as configs/1p5b.py has it, the fast
 #        infir2 and save_dots infir2 each with fp8 moments and the chunked loss: the memory
 #        target's candidates, 0.71x / 0.59x of bf16 by benchmarks/peak_buffers.py),
-#        moments (1.5B at 2 x 8192, unrolled: bf16, the fast infir2, that with fp8 moments
-#        (opt.moments_kernel=auto: the Triton update with the GPU's fast math), that with
-#        the chunked loss too: the memory target's candidate at no more time),
 #        memfast (1.5B at 2 x 8192: the fast infir2 with fp8 moments and the chunked loss, the
 #        default infir2 of configs/1p5b.py, the fast infir2: the memory target's candidate
 #        against the default's time, in the fewest compiles),
@@ -144,13 +141,6 @@ elif [[ $STAGE == mem ]]; then
   U=model.scan_layers=False; F=$U~model.remat=save_dots_fp8; L=opt.moments=fp8~model.loss_chunk=2048
   timeout $((DEADLINE + 260)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
     --recipes=bf16~$U,infir2~$F~$L,infir2,infir2~$U~$L \
-    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=260 \
-    --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
-    | grep -vE "onstant.folding|slow_operation|^$" | tail -40
-elif [[ $STAGE == moments ]]; then
-  F=model.scan_layers=False~model.remat=save_dots_fp8; M=opt.moments=fp8
-  timeout $((DEADLINE + 260)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
-    --recipes=bf16~model.scan_layers=False,infir2~$F,infir2~$F~$M,infir2~$F~$M~model.loss_chunk=2048 \
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=260 \
     --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
     | grep -vE "onstant.folding|slow_operation|^$" | tail -40

@@ -23,6 +23,18 @@ def cross_entropy_sums(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
   return jnp.sum((log_z_BxL - target_logit_BxL) * weights), jnp.sum(weights)
 
 
+def _check_chunk(targets_BxL: jax.Array, chunk: int):
+  length = targets_BxL.shape[-1]
+  if length % chunk:
+    raise ValueError(f"model.loss_chunk={chunk} must divide the sequence length {length}")
+
+
+def _split_chunks(x_BxL: jax.Array, chunk: int) -> jax.Array:
+  """[B, L, ...] -> [L / chunk, B, chunk, ...]: the chunks to scan over."""
+  rows, length = x_BxL.shape[:2]
+  return jnp.moveaxis(x_BxL.reshape(rows, length // chunk, chunk, *x_BxL.shape[2:]), 1, 0)
+
+
 def chunked_cross_entropy_sums(logits_fn: Callable[[jax.Array], jax.Array],
                                hidden_BxLxD: jax.Array, targets_BxL: jax.Array,
                                weights_BxL: jax.Array, chunk: int):
@@ -31,10 +43,8 @@ def chunked_cross_entropy_sums(logits_fn: Callable[[jax.Array], jax.Array],
   A rematerialized scan: one chunk's logits [B, chunk, V] are live at a time, in the
   backward pass too (recomputed there), instead of the whole [B, L, V] in float32.
   """
-  rows, length = targets_BxL.shape
-  if length % chunk:
-    raise ValueError(f"model.loss_chunk={chunk} must divide the sequence length {length}")
-  split = lambda x: jnp.moveaxis(x.reshape(rows, length // chunk, chunk, *x.shape[2:]), 1, 0)
+  _check_chunk(targets_BxL, chunk)
+  split = functools.partial(_split_chunks, chunk=chunk)
 
   @jax.checkpoint
   def body(sums, chunk_inputs):
@@ -66,9 +76,7 @@ def fused_head_cross_entropy_sums(hidden_BxLxD: jax.Array, weight: jax.Array,
   weight: the head in the compute dtype, [V, D] (vocab_axis=0: the tied embedding table) or
   [D, V] (vocab_axis=1: an untied kernel). The count (second output) has no gradient.
   """
-  rows, length = targets_BxL.shape
-  if length % chunk:
-    raise ValueError(f"model.loss_chunk={chunk} must divide the sequence length {length}")
+  _check_chunk(targets_BxL, chunk)
   dtypes = (jnp.dtype(hidden_BxLxD.dtype), jnp.dtype(weight.dtype))
   return _fused_head_ce(hidden_BxLxD, weight, targets_BxL, weights_BxL, chunk, vocab_axis,
                         dtypes)
@@ -81,24 +89,13 @@ def _fused_head_ce(hidden, weight, targets, weights, chunk, vocab_axis, dtypes):
   logits_dims = (((2,), (1 - vocab_axis,)), ((), ()))
   head = lambda h: gemm.bf16_dot_general(h, weight, logits_dims,
                                          preferred_element_type=jnp.float32)
-  rows, length, _ = hidden.shape
-  split = lambda x: jnp.moveaxis(x.reshape(rows, length // chunk, chunk, *x.shape[2:]), 1, 0)
-
-  def body(sums, chunk_inputs):
-    h, t, m = chunk_inputs
-    loss, count = cross_entropy_sums(head(h), t, m)
-    return (sums[0] + loss, sums[1] + count), None
-
-  zero = jnp.zeros((), jnp.float32)
-  sums, _ = jax.lax.scan(body, (zero, zero), (split(hidden), split(targets), split(weights)))
-  return sums
+  return chunked_cross_entropy_sums(head, hidden, targets, weights, chunk)
 
 
 def _fused_head_ce_fwd(hidden, weight, targets, weights, chunk, vocab_axis, dtypes):
   del dtypes
-  rows, length, _ = hidden.shape
   d_axis = 1 - vocab_axis
-  split = lambda x: jnp.moveaxis(x.reshape(rows, length // chunk, chunk, *x.shape[2:]), 1, 0)
+  split = functools.partial(_split_chunks, chunk=chunk)
   # [B, C, D] x weight -> [B, C, V]; [B, C, V] x weight -> [B, C, D]; over the chunk's tokens:
   # [B, C, V] x [B, C, D] -> [V, D] (tied) or [B, C, D] x [B, C, V] -> [D, V] (untied).
   logits_dims = (((2,), (d_axis,)), ((), ()))

@@ -132,8 +132,7 @@ def encode_in_range(xg: jax.Array, amax: jax.Array, amin: jax.Array, ops: MathOp
   """encode_groups with its group range given (flushed xg and its flushed_range)."""
   # log2 of the range as a difference: amax / amin would overflow for extreme groups.
   spread = ops.log2(amax) - ops.log2(amin)
-  k = jnp.minimum(jnp.where(spread > 0, ops.div(jnp.full_like(spread, _LOG2_RANGE),
-                                                jnp.where(spread > 0, spread, 1.0)),
+  k = jnp.minimum(jnp.where(spread > 0, ops.div(_LOG2_RANGE, jnp.where(spread > 0, spread, 1.0)),
                             K_MAX), K_MAX)
   ratio = ops.div(jnp.abs(xg), jnp.where(amax > 0, amax, 1.0))  # in [0, 1]; 0: a zero group
   z = jnp.sign(xg) * ops.exp2(k * ops.log2(ratio))          # log2(0) = -inf -> z = 0
