@@ -28,8 +28,8 @@
 #        default infir2 of configs/1p5b.py, the fast infir2: the memory target's candidate
 #        against the default's time, in the fewest compiles),
 #        fusedloss (1.5B at 2 x 8192, unrolled: bf16, the fast infir2, that with the fused
-#        head and loss (model.loss_fused, loss_chunk 2048), configs/1p5b.py:lean and lean with
-#        the fused loss: the loss without float32 logits against the whole-row loss's time),
+#        head and loss (model.loss_fused, loss_chunk 2048), bf16 with it, configs/1p5b.py:lean
+#        with it: the loss without float32 logits against the whole-row loss's time),
 #        7bfused (7B at 4 x 4096, document mask: bf16, infir2, infir2 without the fused backward),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
@@ -155,7 +155,7 @@ elif [[ $STAGE == fusedloss ]]; then
   F=model.scan_layers=False~model.remat=save_dots_fp8; C=model.loss_chunk=2048~model.loss_fused=True
   L=$F~opt.moments=fp8~model.loss_chunk=2048
   timeout $((DEADLINE + 220)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
-    --recipes=bf16~model.scan_layers=False,infir2~$F,infir2~$F~$C,infir2~$L,infir2~$L~model.loss_fused=True \
+    --recipes=bf16~model.scan_layers=False,infir2~$F,infir2~$F~$C,bf16~model.scan_layers=False~$C,infir2~$L~model.loss_fused=True \
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
     --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
     | grep -vE "onstant.folding|slow_operation|^$" | tail -40
