@@ -261,3 +261,29 @@ def test_plot_run_draws_one_runs_curves_without_a_sweep(tmp_path):
   assert cli.returncode == 0, cli.stderr
   assert cli.stdout.strip() == f"wrote {os.path.join(run_dir, 'loss.png')}"
   assert os.path.getsize(os.path.join(run_dir, "loss.png")) > 1000
+
+
+def test_keys_added_later_or_inert_do_not_split_seeds(tmp_path):
+  """A study resumed across sessions: seed 0 written before model.loss_fused existed and
+  with opt.moments_kernel=jnp, seed 1 with loss_fused False and the kernel auto. With float32
+  moments the kernel is never read, so the seeds pair; with fp8 moments they do not."""
+  def write(root, moments):
+    for seed, changes in ((0, {"opt.moments_kernel": "jnp"}),
+                          (1, {"opt.moments_kernel": "auto", "model.loss_fused": False})):
+      for recipe in ("bf16", "infir2"):
+        name = _write_run(root, recipe, seed, 0.002, noise=0.002)
+        config = _config(recipe, seed)
+        config["opt"] = {"moments": moments, "moments_kernel": changes["opt.moments_kernel"]}
+        if "model.loss_fused" in changes:
+          config["model"] = {"loss_fused": changes["model.loss_fused"]}
+        with open(os.path.join(root, name, rundir.CONFIG_FILE), "w") as f:
+          json.dump(config, f)
+    return report.load_runs(root)
+
+  paired = write(str(tmp_path / "fp32"), "fp32")
+  assert report.config_differences(paired) == []
+  (rows,) = report.summarize(paired, "bf16", min_seeds=1).values()
+  assert rows[1].recipe == "infir2" and rows[1].d_val.n == 2
+  apart = write(str(tmp_path / "fp8"), "fp8")
+  assert report.config_differences(apart) == ["opt.moments_kernel"]
+  assert len(report.summarize(apart, "bf16", min_seeds=1)) == 2

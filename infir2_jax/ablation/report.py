@@ -23,12 +23,14 @@ shorter than `min_steps` steps (a smoke sweep measures nothing).
 
 import csv
 import dataclasses
+import functools
 import math
 import os
 from typing import Any
 
 import numpy as np
 
+from infir2_jax import config as config_lib
 from infir2_jax.ablation import plots as plots_lib
 from infir2_jax.ablation import results
 from infir2_jax.ablation import statistics
@@ -111,19 +113,47 @@ def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
   return out
 
 
+# Keys that change nothing unless another key has a value: (that key, the value).
+INERT_UNLESS = {"opt.moments_kernel": ("opt.moments", "fp8")}
+
+
+@functools.cache
+def _default_flat() -> dict[str, Any]:
+  return _flat(config_lib.default_config().to_dict())
+
+
+def effective_config(config: dict[str, Any]) -> dict[str, Any]:
+  """A run's flat config as it acts: keys added to TrainConfig after the run was written
+  take today's defaults (a new key defaults to the behaviour before it existed), and keys
+  that act only beside another's value (INERT_UNLESS) are dropped where they do not act.
+  Without it a study resumed across sessions split its seeds into groups by
+  `model.loss_fused` (absent, then False) and `opt.moments_kernel` (jnp, then auto, with
+  float32 moments that never read it). A run without a config.json stays empty."""
+  if not config:
+    return config
+  out = {**_default_flat(), **config}
+  for key, (gate, value) in INERT_UNLESS.items():
+    if out.get(gate) != value:
+      out.pop(key, None)
+  return out
+
+
 def config_differences(runs: list[RunData]) -> list[str]:
-  """Config keys, other than the swept and neutral ones, whose values differ between runs."""
+  """Config keys, other than the swept and neutral ones, whose values differ between runs
+  (as the runs act: effective_config)."""
   swept = {k for r in runs for k in r.swept}
-  keys = sorted({k for r in runs for k in r.config})
+  configs = [effective_config(r.config) for r in runs]
+  keys = sorted({k for c in configs for k in c})
   return [k for k in keys if k not in swept and not k.startswith(NEUTRAL_KEYS)
-          and len({repr(r.config.get(k)) for r in runs}) > 1]
+          and len({repr(c.get(k)) for c in configs}) > 1]
 
 
 def _split_by_config(runs: list[RunData]) -> list[RunData]:
   """Adds the differing non-swept keys to each run's group: only like configs are paired."""
   differ = config_differences(runs)
   for r in runs:
-    r.group = tuple(sorted(r.group + tuple((k, r.config.get(k)) for k in differ)))
+    config = effective_config(r.config)
+    r.group = tuple(sorted(r.group + tuple((k, config.get(k)) for k in differ)))
   return runs
 
 
