@@ -32,6 +32,17 @@ it; the reference slices the padding off and pads again with zeros before it enc
 needs no mask here: a padded lane has q = 0 and g = 0, so it decodes to exactly 0 and stays
 0 wherever its group's scale a is finite (where a is inf the group is NaN already).
 
+The fused step (apply_adamw; optim.make_apply picks it for kernel pallas / auto, and
+train/step.py runs it): one kernel per param reads the raw gradient sum (bf16 from the
+backward, float32 when micro-batches were summed), the float32 param and the moment parts,
+and writes the new param and moments in place (input_output_aliases; the step donates its
+state). Its scalars (Scalars): the bias corrections, the loss tokens, the global norm (one
+reduction over the sums, fused by XLA, also the step's grad_norm) and the signed lr. In the
+kernel: step.py's division, optax.clip_by_global_norm's select, Adam, add_decayed_weights
+(decay-masked params), scale_by_learning_rate and apply_updates, in optax's order; the state
+stays the optax chain's tree. On the CPU it equals the chain to float32 rounding, bit for bit
+where XLA compiles the divisions by scalars alike (true_div; tests/test_fp8_adam.py).
+
 Legend: N groups of a tensor (rows), R rows per Pallas block, GROUP = 128 lanes.
 """
 
