@@ -339,9 +339,13 @@ FUSED_CASES = {"clipped_bf16": (1e-3, 0.1, jnp.bfloat16), "unclipped_f32": (1e3,
 
 @pytest.mark.parametrize("case", FUSED_CASES)
 @pytest.mark.parametrize("kernel", ["auto", "pallas"])
-def test_fused_step_is_bit_identical_to_the_chain(kernel, case):
-  """Params, every moment part, the counts and the grad norm over 3 steps (a padded bias, a
-  scalar, decayed matrices)."""
+def test_fused_step_equals_the_chain(kernel, case):
+  """Params, the grad norm and the state's tree over 3 steps (a padded bias, a scalar,
+  decayed matrices), to float32 rounding: XLA:CPU compiles a division by a traced scalar
+  (the token count, the clip's norm) as a division in some programs and as a multiplication
+  by the reciprocal in others (fp8_adam.true_div), so the chain's own last bit depends on the
+  program around it. test_fused_step_state_restores_across_paths holds bits where the
+  programs agree; the Triton kernel's GPU bound is tests/test_fp8_adam_gpu.py's."""
   clip_norm, weight_decay, dtype = FUSED_CASES[case]
   opt_cfg = OptConfig(moments="fp8", moments_kernel=kernel, b1=B1, b2=B2, warmup_steps=1,
                       clip_norm=clip_norm, weight_decay=weight_decay)
@@ -353,17 +357,13 @@ def test_fused_step_is_bit_identical_to_the_chain(kernel, case):
   norms = [float(n) for _, _, n in chain]
   assert all((n > clip_norm) == (case == "clipped_bf16") for n in norms if clip_norm), norms
   assert not np.array_equal(chain[-1][0]["w"], params["w"])
-  for want, got in zip(chain, fused):   # always: the same step to float32 rounding
+  for want, got in zip(chain, fused):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for g, w in zip(jax.tree.leaves((got[0], got[2])), jax.tree.leaves((want[0], want[2]))):
       np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)
-  try:
-    for want, got in zip(chain, fused):
-      assert_same_bits(got, want)
-  except AssertionError as e:
-    # Known gap: XLA:CPU compiles x / scalar as x * (1 / scalar) in some programs and not in
-    # others (fp8_adam.true_div), and the chain's own bits depend on which.
-    pytest.xfail(f"an ulp from the chain: {str(e)[:200]}")
+    counts = lambda state: [int(c) for c in jax.tree.leaves(state) if np.ndim(c) == 0
+                            and np.issubdtype(np.asarray(c).dtype, np.integer)]
+    assert counts(got[1]) == counts(want[1])
 
 
 def test_fused_step_is_what_make_apply_picks():
