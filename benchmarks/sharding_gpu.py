@@ -71,10 +71,11 @@ def _setup(cfg, devices):
 def _jit_step(cfg, mesh, rules, model, optimizer, shardings):
   import jax
   from infir2_jax import parallel
-  from infir2_jax.train.optim import make_schedule
+  from infir2_jax.train.optim import make_apply, make_schedule
   from infir2_jax.train.step import make_train_step
   return jax.jit(make_train_step(model, optimizer, make_schedule(cfg.opt, cfg.steps),
-                                 cfg.grad_accum_steps),
+                                 cfg.grad_accum_steps,
+                                 apply=make_apply(cfg.opt, cfg.steps, optimizer)),
                  in_shardings=(shardings, parallel.batch_sharding(mesh, rules)),
                  out_shardings=(shardings, parallel.replicated(mesh)), donate_argnums=0)
 

@@ -2,6 +2,7 @@
 of train/moments.py (itself checked against float64 numpy in tests/test_optim_moments.py):
 bit for bit, sharded, and with the same checkpointed state."""
 
+import dataclasses
 import functools
 
 import jax
@@ -15,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from infir2_jax import parallel
 from infir2_jax.config import ConfigError, OptConfig
 from infir2_jax.model import Qwen2, init_params
-from infir2_jax.train import fp8_adam, moments
+from infir2_jax.train import fp8_adam, moments, optim
 from infir2_jax.train.optim import make_optimizer
 
 B1, B2, EPS = 0.9, 0.95, 1e-8
@@ -300,3 +301,128 @@ def test_triton_kernel_lowered_for_cuda_uses_the_chosen_math(monkeypatch, fast_m
     assert all(a in text for a in approx) and not called & exact, called
   else:
     assert not any(a in text for a in approx) and exact <= called, called
+
+
+# --- the fused step (optim.make_apply): raw gradient sums in, params and moments out --------
+
+def chain_and_fused_steps(opt_cfg, params, sums_and_denoms):
+  """(chain, fused) results [(params, opt_state, grad_norm)] per step: the chain is
+  optim.generic_apply of make_optimizer with the reference kernel (train/step.py's path)."""
+  ref_cfg = dataclasses.replace(opt_cfg, moments_kernel="reference")
+  tx = make_optimizer(ref_cfg, 10)
+  applies = (jax.jit(optim.generic_apply(tx)), jax.jit(optim.make_apply(opt_cfg, 10)))
+  runs = []
+  for apply in applies:
+    p, state, out = params, tx.init(params), []
+    for sums, denom in sums_and_denoms:
+      p, state, norm = apply(sums, denom, state, p)
+      out.append((p, state, norm))
+    runs.append(out)
+  return runs
+
+
+def gradient_sums(rng, dtype, steps=3):
+  """Raw sums as the backward gives them (dtype bf16; float32 when accumulated) and their
+  token counts."""
+  out = []
+  for _ in range(steps):
+    denom = np.float32(rng.integers(20, 2000))
+    sums = {k: (real_like_gradients(s, rng) * denom).astype(dtype) for k, s in SHAPES.items()}
+    out.append((sums, denom))
+  return out
+
+
+# clip_norm: 1e-3 (every step clipped), 1e3 (none), 0 (no clip transform at all).
+FUSED_CASES = {"clipped_bf16": (1e-3, 0.1, jnp.bfloat16), "unclipped_f32": (1e3, 0.1, jnp.float32),
+               "no_clip_no_decay": (0.0, 0.0, jnp.bfloat16)}
+
+
+@pytest.mark.parametrize("case", FUSED_CASES)
+@pytest.mark.parametrize("kernel", ["auto", "pallas"])
+def test_fused_step_equals_the_chain(kernel, case):
+  """Params, the grad norm and the state's tree over 3 steps (a padded bias, a scalar,
+  decayed matrices), to float32 rounding: XLA:CPU compiles a division by a traced scalar
+  (the token count, the clip's norm) as a division in some programs and as a multiplication
+  by the reciprocal in others (fp8_adam.true_div), so the chain's own last bit depends on the
+  program around it. test_fused_step_state_restores_across_paths holds bits where the
+  programs agree; the Triton kernel's GPU bound is tests/test_fp8_adam_gpu.py's."""
+  clip_norm, weight_decay, dtype = FUSED_CASES[case]
+  opt_cfg = OptConfig(moments="fp8", moments_kernel=kernel, b1=B1, b2=B2, warmup_steps=1,
+                      clip_norm=clip_norm, weight_decay=weight_decay)
+  rng = np.random.default_rng(3)
+  params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+  steps = gradient_sums(rng, dtype)
+  chain, fused = chain_and_fused_steps(opt_cfg, params, steps)
+  # The cases are what they claim: clipped or not, the params moving.
+  norms = [float(n) for _, _, n in chain]
+  assert all((n > clip_norm) == (case == "clipped_bf16") for n in norms if clip_norm), norms
+  assert not np.array_equal(chain[-1][0]["w"], params["w"])
+  for want, got in zip(chain, fused):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves((got[0], got[2])), jax.tree.leaves((want[0], want[2]))):
+      np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)
+    counts = lambda state: [int(c) for c in jax.tree.leaves(state) if np.ndim(c) == 0
+                            and np.issubdtype(np.asarray(c).dtype, np.integer)]
+    assert counts(got[1]) == counts(want[1])
+
+
+def test_fused_step_is_what_make_apply_picks():
+  """Fused for fp8 moments with the pallas / auto kernel, the generic chain otherwise."""
+  params = {"w": jnp.ones((2, 256))}
+  sums = {"w": jnp.full((2, 256), 0.5, jnp.bfloat16)}
+  for moments_cfg, kernel, fused in (("fp8", "auto", True), ("fp8", "pallas", True),
+                                     ("fp8", "jnp", False), ("fp8", "reference", False),
+                                     ("fp32", "auto", False), ("bf16", "auto", False)):
+    cfg = OptConfig(moments=moments_cfg, moments_kernel=kernel, warmup_steps=1)
+    state = make_optimizer(cfg, 10).init(params)
+    jaxpr = str(jax.make_jaxpr(optim.make_apply(cfg, 10))(sums, 7.0, state, params))
+    assert ("fp8_adamw" in jaxpr) == fused, (moments_cfg, kernel)
+
+
+def test_fused_step_state_restores_across_paths():
+  """The chain's state goes on in the fused step and back, as one path would."""
+  opt_cfg = OptConfig(moments="fp8", moments_kernel="auto", b1=B1, b2=B2, warmup_steps=1,
+                      clip_norm=1.0, weight_decay=0.1)
+  rng = np.random.default_rng(4)
+  params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+  steps = gradient_sums(rng, jnp.bfloat16, steps=4)
+  tx = make_optimizer(opt_cfg, 10)
+  chain, fused = jax.jit(optim.generic_apply(tx)), jax.jit(optim.make_apply(opt_cfg, 10))
+  want, mixed = (params, tx.init(params)), (params, tx.init(params))
+  for i, (sums, denom) in enumerate(steps):
+    want = chain(sums, denom, want[1], want[0])
+    mixed = (chain if i % 2 else fused)(sums, denom, mixed[1], mixed[0])
+    assert_same_bits(mixed, want)
+  assert int(want[1][1][2].count) == len(steps)   # the schedule's count advanced
+
+
+@pytest.mark.parametrize("kernel", ["pallas", "auto"])
+def test_fused_step_runs_per_shard_with_one_devices_numbers_on_8_devices(kernel):
+  """Params split 8 ways (rows, or 32 lanes a device); the fused step's kernel runs on each
+  device's rows (shard_map over the param too) and equals the unsharded fused step."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  specs = {"rows": P("fsdp", None), "cols": P(None, "fsdp"), "bias": P()}
+  rng = np.random.default_rng(5)
+  params = {"rows": rng.standard_normal((64, 256)).astype(np.float32),
+            "cols": rng.standard_normal((16, 256)).astype(np.float32),
+            "bias": rng.standard_normal((77,)).astype(np.float32)}
+  sums = {k: (real_like_gradients(p.shape, rng) * 50).astype(jnp.bfloat16)
+          for k, p in params.items()}
+  opt_cfg = OptConfig(moments="fp8", moments_kernel=kernel, b1=B1, b2=B2, warmup_steps=1,
+                      clip_norm=1.0, weight_decay=0.1)
+  tx, apply = make_optimizer(opt_cfg, 10), optim.make_apply(opt_cfg, 10)
+  want = jax.jit(apply)(sums, np.float32(50), tx.init(params), params)
+  shard = {k: NamedSharding(mesh, s) for k, s in specs.items()}
+  state_shardings = optax.tree_map_params(tx, parallel.state.fit_sharding,
+                                          jax.eval_shape(tx.init, params), shard,
+                                          transform_non_params=lambda _: NamedSharding(mesh, P()))
+  with jax.set_mesh(mesh):
+    state = jax.jit(tx.init, out_shardings=state_shardings)(params)
+    step = jax.jit(apply, in_shardings=(shard, None, state_shardings, shard),
+                   out_shardings=(shard, state_shardings, None))
+    jaxpr = str(jax.make_jaxpr(apply)(sums, np.float32(50), state, params))
+    assert jaxpr.count("shard_map") >= 2 and "fp8_adamw" in jaxpr, jaxpr[:2000]
+    got = step(sums, np.float32(50), state, params)
+  got = jax.device_get(got)
+  assert_same_bits(got[:2], jax.device_get(want[:2]))
+  np.testing.assert_allclose(got[2], want[2], rtol=1e-6)   # the norm's sum: per-shard order

@@ -380,3 +380,41 @@ def test_fused_loss_sharded_over_fsdp_and_tensor_equals_one_device():
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(jax.device_get(grads))):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a)
+
+
+def test_fused_fp8_step_equals_the_chain_and_runs_sharded_over_fsdp():
+  """opt.moments=fp8 with the Pallas kernel: the step applies optim.make_apply's fused
+  update from the raw bf16 gradient sums; its params, state and grad norm are the generic
+  chain's (to float32 rounding: fp8_adam.true_div), on one device and over fsdp 8 (there
+  against the sharded chain: the sharded backward's bf16 sums differ in their last bits, and
+  Adam's first step nearly takes their sign)."""
+  from infir2_jax import parallel  # pylint: disable=import-outside-toplevel
+  from infir2_jax.train.optim import make_apply  # pylint: disable=import-outside-toplevel
+  model = Qwen2(dataclasses.replace(TINY, dtype="bfloat16"))
+  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  opt_cfg = OptConfig(lr=1e-2, warmup_steps=0, clip_norm=1.0, moments="fp8",
+                      moments_kernel="auto")
+  tx, schedule = make_optimizer(opt_cfg, 10), make_schedule(opt_cfg, 10)
+  state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
+  batch = make_batch()
+  run = lambda apply: jax.device_get(jax.jit(make_train_step(model, tx, schedule,
+                                                             apply=apply))(state, batch))
+  (chain, chain_m), (fused, fused_m) = run(None), run(make_apply(opt_cfg, 10, tx))
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  jax.tree.map(close, fused["params"], chain["params"])
+  close(fused_m["grad_norm"], chain_m["grad_norm"])
+  assert jax.tree.structure(fused["opt_state"]) == jax.tree.structure(chain["opt_state"])
+  mesh_cfg = parallel.MeshConfig(data=1, fsdp=8, tensor=1)
+  mesh = parallel.make_mesh(mesh_cfg)
+  rules = parallel.logical_rules(mesh_cfg, TINY, mesh)
+  init = lambda key: model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]
+  sharded, shardings = parallel.sharded_init(init, tx, mesh, rules, jax.random.key(0))
+  def run_sharded(apply):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      step = jax.jit(make_train_step(model, tx, schedule, apply=apply),
+                     in_shardings=(shardings, parallel.batch_sharding(mesh, rules)),
+                     out_shardings=(shardings, parallel.replicated(mesh)))
+      return jax.device_get(step(sharded, batch))
+  (want, want_m), (got, got_m) = run_sharded(None), run_sharded(make_apply(opt_cfg, 10, tx))
+  jax.tree.map(close, got["params"], want["params"])
+  close(got_m["grad_norm"], want_m["grad_norm"])

@@ -97,7 +97,7 @@ def compile_train_step(cfg, devices=None) -> CompiledStep:
   """cfg's train step, lowered and compiled from abstract shapes (no device memory used)."""
   import flax.linen as nn
   from infir2_jax import parallel
-  from infir2_jax.train.optim import make_optimizer, make_schedule
+  from infir2_jax.train.optim import make_apply, make_optimizer, make_schedule
   from infir2_jax.train.step import make_train_step
   from infir2_jax.model import init_params
   from infir2_jax.train.trainer import build_model
@@ -112,7 +112,9 @@ def compile_train_step(cfg, devices=None) -> CompiledStep:
   batch = abstract_batch(cfg.batch_size, cfg.seq_len, batch_sharding)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     step = jax.jit(make_train_step(model, optimizer, make_schedule(cfg.opt, cfg.steps),
-                                   cfg.grad_accum_steps), donate_argnums=0)
+                                   cfg.grad_accum_steps,
+                                   apply=make_apply(cfg.opt, cfg.steps, optimizer)),
+                   donate_argnums=0)
     t0 = time.perf_counter()
     lowered = step.lower(structs, batch)
     lower_s = time.perf_counter() - t0

@@ -32,11 +32,23 @@ it; the reference slices the padding off and pads again with zeros before it enc
 needs no mask here: a padded lane has q = 0 and g = 0, so it decodes to exactly 0 and stays
 0 wherever its group's scale a is finite (where a is inf the group is NaN already).
 
+The fused step (apply_adamw; optim.make_apply picks it for kernel pallas / auto, and
+train/step.py runs it): one kernel per param reads the raw gradient sum (bf16 from the
+backward, float32 when micro-batches were summed), the float32 param and the moment parts,
+and writes the new param and moments in place (input_output_aliases; the step donates its
+state). Its scalars (Scalars): the bias corrections, the loss tokens, the global norm (one
+reduction over the sums, fused by XLA, also the step's grad_norm) and the signed lr. In the
+kernel: step.py's division, optax.clip_by_global_norm's select, Adam, add_decayed_weights
+(decay-masked params), scale_by_learning_rate and apply_updates, in optax's order; the state
+stays the optax chain's tree. On the CPU it equals the chain to float32 rounding, bit for bit
+where XLA compiles the divisions by scalars alike (true_div; tests/test_fp8_adam.py).
+
 Legend: N groups of a tensor (rows), R rows per Pallas block, GROUP = 128 lanes.
 """
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,8 +125,12 @@ FAST_MATH = True   # Triton kernel: FAST_PTX (read when traced; the benchmark fl
 NUM_WARPS = 4      # Triton kernel: warps per program (read when traced; the benchmark sweeps)
 
 
+def _as_f32(g: jax.Array) -> jax.Array:
+  return g.astype(jnp.float32)
+
+
 def adam_rows_recomputed(g_NxG, m_parts, v_parts, bias_corrections, *, b1, b2, eps,
-                         eps_root):
+                         eps_root, gradient=_as_f32):
   """adam_rows in the two passes XLA can fuse, without the float32 moments in memory
   (g_NxG in its own dtype, bf16 from the train step).
 
@@ -123,13 +139,13 @@ def adam_rows_recomputed(g_NxG, m_parts, v_parts, bias_corrections, *, b1, b2, e
   of that pass (8 bytes a param) and reads them back to encode. Here the second pass
   recomputes them from the stored inputs instead (reading 1 byte a moment again), kept
   from being merged with the first by an optimization barrier on the inputs: the same ops
-  on the same values, so the same bits.
+  on the same values, so the same bits. `gradient` makes the float32 gradient from g_NxG in
+  both passes (no float32 copy of g either): a cast, or the fused step's gradient_of.
   """
-  f32 = lambda g: g.astype(jnp.float32)   # in both passes: no float32 copy of g either
-  m, v = new_moments(f32(g_NxG), m_parts, v_parts, b1=b1, b2=b2)
+  m, v = new_moments(gradient(g_NxG), m_parts, v_parts, b1=b1, b2=b2)
   m_range, v_range = moments.flushed_range(m), moments.flushed_range(v)
   g_NxG, m_parts, v_parts = jax.lax.optimization_barrier((g_NxG, m_parts, v_parts))
-  m, v = new_moments(f32(g_NxG), m_parts, v_parts, b1=b1, b2=b2)
+  m, v = new_moments(gradient(g_NxG), m_parts, v_parts, b1=b1, b2=b2)
   direction = direction_of(m, v, bias_corrections, eps=eps, eps_root=eps_root)
   encode = lambda x, rng: moments.encode_in_range(formats.flush_subnormals(x), *rng)
   return direction, encode(m, m_range), encode(v, v_range)
@@ -139,6 +155,57 @@ def bias_corrections(b1: float, b2: float, count_inc: jax.Array) -> jax.Array:
   """[1 - b1**count, 1 - b2**count] as optax.tree.bias_correction computes them."""
   return jnp.stack([(1 - b1**count_inc).astype(jnp.float32),
                     (1 - b2**count_inc).astype(jnp.float32)])
+
+
+# --- the fused step: raw gradient sums in, new params and moments out ------------------------
+
+class Scalars(NamedTuple):
+  """The fused step's float32 scalars, one set for every param (a vector of SCALARS in the
+  kernel: Triton's blocks are powers of two)."""
+  bc1: jax.Array        # 1 - b1**count (optax.tree.bias_correction)
+  bc2: jax.Array        # 1 - b2**count
+  denom: jax.Array      # the step's loss tokens, max(num_tokens, 1) (train/step.py)
+  g_norm: jax.Array     # the global norm of the gradients sum / denom
+  lr: jax.Array         # the signed step size, -schedule(count) (optax.scale_by_learning_rate)
+
+
+SCALARS = 8   # Scalars' 5, zero-padded to a power of two
+
+
+def true_div(x: jax.Array, y: jax.Array) -> jax.Array:
+  """x / y for a scalar y, kept a division: XLA:CPU turns x / broadcast(y) into x * (1 / y)
+  in some programs (the interpreted kernel's loop) and not in others (the chain's division
+  of the gradients in tests/test_fp8_adam.py), an ulp apart."""
+  return x / jax.lax.optimization_barrier(jnp.broadcast_to(y, jnp.shape(x)))
+
+
+def gradient_of(g_sum, denom, g_norm, *, max_norm: float, div=jnp.divide):
+  """The gradient the chain's Adam sees, from the raw sum: train/step.py's float32 cast and
+  division by the loss tokens, then optax.clip_by_global_norm (max_norm > 0; its ops in its
+  order: keep t where g_norm < max_norm, else (t / g_norm) * max_norm). `div`: jnp's (the
+  jnp form), true_div (the interpreted kernel) or the Triton kernel's ops.div (FAST_PTX: a
+  reciprocal per program, a product per element)."""
+  g = div(g_sum.astype(jnp.float32), denom)
+  if not max_norm:
+    return g
+  return jnp.where(g_norm < max_norm, g, div(g, g_norm) * max_norm)
+
+
+def applied(p, direction, lr, *, weight_decay: float):
+  """The new param from Adam's direction: optax.add_decayed_weights (weight_decay 0 where
+  the decay mask leaves the param out, as optax skips it), scale_by_learning_rate (lr
+  signed) and apply_updates, in their order and dtypes."""
+  u = direction + weight_decay * p if weight_decay else direction
+  return (p + jnp.asarray(lr, u.dtype) * u).astype(p.dtype)
+
+
+def adamw_rows(g_sum, p, m_parts, v_parts, scalars: Scalars, *, b1, b2, eps, eps_root,
+               max_norm, weight_decay, ops=moments.PRECISE, div=jnp.divide):
+  """adam_rows from the raw gradient sum to the new param: (new p, new m parts, new v)."""
+  g = gradient_of(g_sum, scalars.denom, scalars.g_norm, max_norm=max_norm, div=div)
+  direction, new_m, new_v = adam_rows(g, m_parts, v_parts, (scalars.bc1, scalars.bc2), b1=b1,
+                                      b2=b2, eps=eps, eps_root=eps_root, ops=ops)
+  return applied(p, direction, scalars.lr, weight_decay=weight_decay), new_m, new_v
 
 
 # --- the [N, GROUP] view of a tensor --------------------------------------------------------
@@ -176,72 +243,114 @@ def block_rows(n: int, most: int = BLOCK_ROWS) -> int:
 def update_pallas(g_NxG, m_parts, v_parts, bcs, *, most_rows=None, interpret=None, **hyper):
   """adam_rows as a Pallas kernel: one program per block of R rows (groups); most_rows
   defaults to BLOCK_ROWS as it is when traced (benchmarks/moments_update.py sweeps it)."""
-  r = block_rows(g_NxG.shape[0], most_rows or BLOCK_ROWS)
-  args = (g_NxG, *m_parts, *v_parts, bcs)
-  if interpret is None:   # Triton where it is lowered for CUDA (also ahead of time, on a CPU)
-    out = jax.lax.platform_dependent(
-        *args, cuda=_jitted_triton_kernel(r, tuple(sorted(hyper.items())), FAST_MATH,
-                                          NUM_WARPS),
-        default=functools.partial(_kernel_call, r, True, hyper))
-  else:
-    out = _kernel_call(r, interpret, hyper, *args)
+  out = _rows_kernel(False, (g_NxG,), m_parts, v_parts, bcs, most_rows, interpret, hyper)
   return out[0], tuple(out[1:4]), tuple(out[4:7])
 
 
+def _rows_kernel(fused: bool, lanes, m_parts, v_parts, scalars, most_rows, interpret, hyper):
+  """The Pallas kernel over rows (fused: adamw_rows, else adam_rows): Triton where the step
+  is lowered for CUDA (also ahead of time, on a CPU), interpreted elsewhere."""
+  r = block_rows(lanes[0].shape[0], most_rows or BLOCK_ROWS)
+  args = (*lanes, *m_parts, *v_parts, scalars)
+  if interpret is None:
+    return jax.lax.platform_dependent(
+        *args, cuda=_jitted_triton_kernel(fused, r, tuple(sorted(hyper.items())), FAST_MATH,
+                                          NUM_WARPS),
+        default=functools.partial(_kernel_call, fused, r, True, hyper))
+  return _kernel_call(fused, r, interpret, hyper, *args)
+
+
 @functools.lru_cache(maxsize=None)
-def _jitted_triton_kernel(r: int, hyper: tuple, fast_math: bool, num_warps: int):
+def _jitted_triton_kernel(fused: bool, r: int, hyper: tuple, fast_math: bool, num_warps: int):
   """_kernel_call as one jitted function: params of one shape (the same projection of every
   unrolled layer) share its jaxpr, so a step lowers the Triton kernel once per shape, not
   once per param (338 params at 1.5B unrolled). Only the CUDA branch: on the CPU the
   interpreted kernel stays inlined (a nested jit there moves the direction by an ulp)."""
-  return jax.jit(functools.partial(_kernel_call, r, False, dict(hyper), fast_math=fast_math,
-                                   num_warps=num_warps))
+  return jax.jit(functools.partial(_kernel_call, fused, r, False, dict(hyper),
+                                   fast_math=fast_math, num_warps=num_warps))
 
 
-def _kernel_call(r: int, interpret: bool, hyper: dict, g_NxG, qm, am, km, qv, av, kv, bcs,
+def _adam_block(lanes, m_parts, v_parts, s_ref, ops, **hyper):
+  """A block of scale_by_adam_fp8's step: (direction, new m parts, new v parts)."""
+  (g,) = lanes
+  return adam_rows(g.astype(jnp.float32), m_parts, v_parts, (s_ref[0], s_ref[1]), ops=ops,
+                   **hyper)
+
+
+def _adamw_block(lanes, m_parts, v_parts, s_ref, ops, interpret, **hyper):
+  """A block of the fused step: (new param, new m parts, new v parts). Interpreted, the
+  scalar divisions are true_div's (an XLA op Triton does not lower); in Triton, ops.div."""
+  g_sum, p = lanes
+  return adamw_rows(g_sum, p, m_parts, v_parts, Scalars(*(s_ref[i] for i in range(5))),
+                    ops=ops, div=true_div if interpret else ops.div, **hyper)
+
+
+def _kernel_call(fused: bool, r: int, interpret: bool, hyper: dict, *args,
                  fast_math: bool = False, num_warps: int | None = None):
-  n = g_NxG.shape[0]
+  """args: the lanes ([N, GROUP]: g, or g and the param when fused), the 3 + 3 moment parts,
+  the scalars. Out: the direction (or the new param), the new moment parts, written over
+  the stored ones (and over the param when fused): the train step donates its state."""
+  *lanes, qm, am, km, qv, av, kv, scalars = args
+  n, n_in = lanes[0].shape[0], len(args)
   lanes_spec = pl.BlockSpec((r, moments.GROUP), lambda i: (i, 0))
   group_spec = pl.BlockSpec((r, 1), lambda i: (i, 0))
-  scalar_spec = pl.BlockSpec((2,), lambda i: (0,))
+  scalar_spec = pl.BlockSpec(scalars.shape, lambda i: (0,))
   parts_specs = (lanes_spec, group_spec, group_spec)
-
   ops = FAST_PTX if fast_math else moments.PRECISE
+  block = (functools.partial(_adamw_block, ops=ops, interpret=interpret, **hyper) if fused
+           else functools.partial(_adam_block, ops=ops, **hyper))
 
-  def kernel(g_ref, qm_ref, am_ref, km_ref, qv_ref, av_ref, kv_ref, bc_ref,
-             d_out, qm_out, am_out, km_out, qv_out, av_out, kv_out):
-    direction, new_m, new_v = adam_rows(
-        g_ref[...].astype(jnp.float32), (qm_ref[...], am_ref[...], km_ref[...]),
-        (qv_ref[...], av_ref[...], kv_ref[...]), (bc_ref[0], bc_ref[1]), ops=ops, **hyper)
-    d_out[...] = direction
-    for ref, x in zip((qm_out, am_out, km_out, qv_out, av_out, kv_out), (*new_m, *new_v)):
+  def kernel(*refs):
+    ins, outs = refs[:n_in], refs[n_in:]
+    load = lambda refs: tuple(ref[...] for ref in refs)
+    lane_out, new_m, new_v = block(load(ins[:len(lanes)]), load(ins[-7:-4]), load(ins[-4:-1]),
+                                   ins[-1])
+    for ref, x in zip(outs, (lane_out, *new_m, *new_v)):
       ref[...] = x
 
+  lane_out = lanes[-1] if fused else jax.ShapeDtypeStruct(lanes[0].shape, jnp.float32)
   parts_shapes = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (qm, am, km))
+  aliases = {len(lanes) + j: 1 + j for j in range(6)}   # the moments, in place
+  if fused:
+    aliases[len(lanes) - 1] = 0                           # the param, in place
   return pl.pallas_call(
       kernel, grid=(n // r,),
-      in_specs=[lanes_spec, *parts_specs, *parts_specs, scalar_spec],
+      in_specs=[lanes_spec] * len(lanes) + [*parts_specs, *parts_specs, scalar_spec],
       out_specs=[lanes_spec, *parts_specs, *parts_specs],
-      out_shape=[jax.ShapeDtypeStruct(g_NxG.shape, jnp.float32), *parts_shapes,
+      out_shape=[jax.ShapeDtypeStruct(lane_out.shape, lane_out.dtype), *parts_shapes,
                  *parts_shapes],
-      # The moments are rewritten in place (the train step donates the state).
-      input_output_aliases={1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6},
+      input_output_aliases=aliases,
       compiler_params=None if interpret else pl_triton.CompilerParams(num_warps=num_warps),
-      interpret=interpret, name="fp8_adam")(g_NxG, qm, am, km, qv, av, kv, bcs)
+      interpret=interpret, name="fp8_adamw" if fused else "fp8_adam")(*args)
 
 
-def _per_shard(fn, n: int):
+def _per_shard(fn, n: int, in_rows, out_rows):
   """fn over rows split across every device of the current mesh (shard_map), so a kernel
   never makes XLA gather a sharded tensor; fn itself where there is no mesh of several
   devices or the rows do not split evenly. Rows are whole groups, so no group crosses a
-  shard; the results are the same either way (each row is computed on its own)."""
+  shard; the results are the same either way (each row is computed on its own).
+  in_rows / out_rows: fn's arguments and results as trees of bools, True for [N, ...]
+  arrays split by rows, False for what every device gets whole (the scalars)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1 or n % mesh.size:
     return fn
-  rows = P(mesh.axis_names)
-  specs = ((rows, (rows,) * 3, (rows,) * 3, P()))
-  return jax.shard_map(fn, mesh=mesh, in_specs=specs,
-                       out_specs=(rows, (rows,) * 3, (rows,) * 3), check_vma=False)
+  spec = lambda split: P(mesh.axis_names) if split else P()
+  return jax.shard_map(fn, mesh=mesh, in_specs=jax.tree.map(spec, in_rows),
+                       out_specs=jax.tree.map(spec, out_rows), check_vma=False)
+
+
+_PARTS_ROWS = ((True,) * 3, (True,) * 3)   # the m and v parts, split by rows
+
+
+def _parts_as_rows(parts):
+  """Moment parts (q param-shaped, a and k group-shaped) -> ([N, GROUP], [N, 1], [N, 1])."""
+  return to_rows(parts[0]), parts[1].reshape(-1, 1), parts[2].reshape(-1, 1)
+
+
+def _parts_from_rows(parts, shape):
+  """The inverse of _parts_as_rows (also of the [..., G, GROUP] grouping of update_jnp)."""
+  group = moments.group_shape(shape)
+  return from_rows(parts[0], shape), parts[1].reshape(group), parts[2].reshape(group)
 
 
 def update_leaf(kernel: str, g, m_parts, v_parts, bcs, **hyper):
@@ -252,17 +361,60 @@ def update_leaf(kernel: str, g, m_parts, v_parts, bcs, **hyper):
         default=functools.partial(update_leaf, "jnp", **hyper))
   shape = jnp.shape(g)
   if kernel == "pallas":
-    stats = lambda x: x.reshape(-1, 1)
-    rows = lambda parts: (to_rows(parts[0]), stats(parts[1]), stats(parts[2]))
     g_rows = to_rows(g)
-    fn = _per_shard(functools.partial(update_pallas, **hyper), g_rows.shape[0])
-    direction, new_m, new_v = fn(g_rows, rows(m_parts), rows(v_parts), bcs)
+    fn = _per_shard(functools.partial(update_pallas, **hyper), g_rows.shape[0],
+                    (True, *_PARTS_ROWS, False), (True, *_PARTS_ROWS))
+    direction, new_m, new_v = fn(g_rows, _parts_as_rows(m_parts), _parts_as_rows(v_parts), bcs)
   else:
     direction, new_m, new_v = update_jnp(g, m_parts, v_parts, bcs, **hyper)
+  return (from_rows(direction, shape), _parts_from_rows(new_m, shape),
+          _parts_from_rows(new_v, shape))
+
+def apply_leaf(kernel: str, g_sum, p, m_parts, v_parts, scalars, *, max_norm, weight_decay,
+               **hyper):
+  """One param's fused step in param-shaped arrays: (new param, new m parts, new v parts).
+  scalars: Scalars stacked and padded to SCALARS."""
+  hyper.update(max_norm=max_norm, weight_decay=weight_decay)
+  if kernel == "auto":   # the Triton kernel where the step is lowered for CUDA, jnp elsewhere
+    return jax.lax.platform_dependent(
+        g_sum, p, m_parts, v_parts, scalars,
+        cuda=functools.partial(apply_leaf, "pallas", **hyper),
+        default=functools.partial(apply_leaf, "jnp", **hyper))
+  shape = jnp.shape(p)
+  if kernel == "pallas":
+    g_rows = to_rows(g_sum)
+    fn = _per_shard(functools.partial(apply_pallas, **hyper), g_rows.shape[0],
+                    (True, True, *_PARTS_ROWS, False), (True, *_PARTS_ROWS))
+    new_p, new_m, new_v = fn(g_rows, to_rows(p), _parts_as_rows(m_parts),
+                             _parts_as_rows(v_parts), scalars)
+    return (from_rows(new_p, shape), _parts_from_rows(new_m, shape),
+            _parts_from_rows(new_v, shape))
+  return apply_jnp(g_sum, p, m_parts, v_parts, Scalars(*scalars[:5]), **hyper)
+
+
+def apply_pallas(g_NxG, p_NxG, m_parts, v_parts, scalars, *, most_rows=None, interpret=None,
+                 **hyper):
+  """adamw_rows as a Pallas kernel over [N, GROUP] rows (g the raw sum, p the param)."""
+  out = _rows_kernel(True, (g_NxG, p_NxG), m_parts, v_parts, scalars, most_rows, interpret,
+                     hyper)
+  return out[0], tuple(out[1:4]), tuple(out[4:7])
+
+
+def apply_jnp(g_sum, p, m_parts, v_parts, scalars: Scalars, *, max_norm, weight_decay,
+              **hyper):
+  """The fused step for XLA to fuse: update_jnp with the gradient made from the raw sum in
+  both of its passes, and the param update after it (fused into the encoding pass)."""
+  gradient = functools.partial(gradient_of, denom=scalars.denom, g_norm=scalars.g_norm,
+                               max_norm=max_norm)
+  shape = jnp.shape(p)
+  direction, new_m, new_v = update_jnp(g_sum, m_parts, v_parts, (scalars.bc1, scalars.bc2),
+                                       gradient=gradient, **hyper)
+  new_p = applied(p, moments._ungrouped(direction, shape),  # pylint: disable=protected-access
+                  scalars.lr, weight_decay=weight_decay)
   group = moments.group_shape(shape)
-  back = lambda parts: (from_rows(parts[0], shape), parts[1].reshape(group),
-                        parts[2].reshape(group))
-  return from_rows(direction, shape), back(new_m), back(new_v)
+  back = lambda parts: (moments._ungrouped(parts[0], shape),  # pylint: disable=protected-access
+                        parts[1].reshape(group), parts[2].reshape(group))
+  return new_p, back(new_m), back(new_v)
 
 
 def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -295,3 +447,36 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
             moments.StoredAdamState(count_inc, parts(1), parts(2)))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+
+def apply_adamw(kernel: str, grad_sums, params, state: moments.StoredAdamState, *, denom,
+                g_norm, lr, max_norm: float, weight_decay: float, decay_mask, b1: float,
+                b2: float, eps: float, eps_root: float = 0.0):
+  """The whole AdamW step of opt.moments=fp8 in one pass per param (kernel "pallas", "auto"
+  or "jnp"): (new params, scale_by_adam_fp8's new state).
+
+  grad_sums: the backward's raw sums (bf16, or float32 accumulated over micro-batches);
+  denom, g_norm (the global norm of grad_sums / denom), lr (signed, -schedule(count)):
+  float32 scalars; max_norm: the clip's (0: none); weight_decay applied where decay_mask
+  (a tree of bools like params) says. The numbers are those of train/step.py's division,
+  clip_by_global_norm, scale_by_adam_fp8, add_decayed_weights, scale_by_learning_rate and
+  apply_updates in a chain, without the float32 gradients or the direction in memory.
+  """
+  if kernel not in ("auto", "jnp", "pallas"):
+    raise ValueError(f"the fused fp8 step runs kernel 'auto', 'jnp' or 'pallas', not {kernel!r}")
+  count_inc = optax.safe_increment(state.count)
+  bc1, bc2 = bias_corrections(b1, b2, count_inc)
+  scalars = jnp.stack([bc1, bc2, *(jnp.asarray(x, jnp.float32) for x in (denom, g_norm, lr))])
+  scalars = jnp.pad(scalars, (0, SCALARS - scalars.shape[0]))
+  leaves, treedef = jax.tree.flatten(params)
+  sums, masks = treedef.flatten_up_to(grad_sums), treedef.flatten_up_to(decay_mask)
+  mu = [treedef.flatten_up_to(part) for part in state.mu]
+  nu = [treedef.flatten_up_to(part) for part in state.nu]
+  out = [apply_leaf(kernel, g, p, tuple(part[i] for part in mu), tuple(part[i] for part in nu),
+                    scalars, max_norm=max_norm, weight_decay=weight_decay if masks[i] else 0.0,
+                    b1=b1, b2=b2, eps=eps, eps_root=eps_root)
+         for i, (g, p) in enumerate(zip(sums, leaves))]
+  parts = lambda which: tuple(treedef.unflatten([o[which][j] for o in out]) for j in range(3))
+  return (treedef.unflatten([o[0] for o in out]),
+          moments.StoredAdamState(count_inc, parts(1), parts(2)))

@@ -2,9 +2,19 @@
 
 Adam's moments are stored as opt.moments says: float32 (optax.adamw itself), or bf16 / FP8
 through train/moments.py; the update is float32 either way.
+
+make_optimizer is the optax transform (its init makes the state; checkpoints hold it).
+make_apply is how the train step applies it: (grad_sums, denom, opt_state, params) ->
+(new params, new opt_state, grad norm). Generically that is the gradients divided by denom in
+float32, optimizer.update and optax.apply_updates; with opt.moments=fp8 and the Pallas kernel
+(opt.moments_kernel pallas or auto) it is train/fp8_adam.py's fused step instead, which reads
+the raw gradient sums and writes the params and moments in one pass: the same state tree,
+the same numbers on the CPU.
 """
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -106,3 +116,50 @@ def make_optimizer(cfg: OptConfig, total_steps: int) -> optax.GradientTransforma
   if cfg.clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
   return adamw
+
+
+# (grad_sums, denom, opt_state, params) -> (new params, new opt_state, grad norm)
+Apply = Callable[[Any, jax.Array, Any, Any], tuple[Any, Any, jax.Array]]
+FUSED_KERNELS = ("pallas", "auto")   # opt.moments_kernel values that make_apply fuses (fp8)
+
+
+def generic_apply(optimizer: optax.GradientTransformation) -> Apply:
+  """Any optax transform's step: float32 gradients (the sums cast to the params' dtype,
+  divided by the loss tokens), optimizer.update, optax.apply_updates; the norm is theirs."""
+  def apply(grad_sums, denom, opt_state, params):
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype) / denom, grad_sums, params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+  return apply
+
+
+def make_apply(cfg: OptConfig, total_steps: int,
+               optimizer: optax.GradientTransformation | None = None) -> Apply:
+  """How the train step applies make_optimizer(cfg, total_steps): fused for fp8 moments with
+  the Pallas kernel (pallas, or auto: Triton where lowered for CUDA, the jnp form elsewhere),
+  else generic_apply(optimizer) (the one given, or make_optimizer's)."""
+  if cfg.moments == "fp8" and cfg.moments_kernel in FUSED_KERNELS:
+    return _fused_fp8_apply(cfg, make_schedule(cfg, total_steps, warn=False))
+  return generic_apply(optimizer or make_optimizer(cfg, total_steps))
+
+
+def _fused_fp8_apply(cfg: OptConfig, schedule: optax.Schedule) -> Apply:
+  """make_optimizer's chain for fp8 moments as one fp8_adam.apply_adamw pass per param. The
+  state is the chain's: (clip's, (Adam's, the decay mask's, the schedule's)), or without the
+  clip's; the clip and the decay keep none that changes, the schedule's count advances."""
+  clip = cfg.clip_norm > 0
+
+  def apply(grad_sums, denom, opt_state, params):
+    grad_norm = optax.tree.norm(   # a reduction XLA fuses: no float32 gradients in memory
+        jax.tree.map(lambda g, p: g.astype(p.dtype) / denom, grad_sums, params))
+    clip_state, (adam_state, decay_state, lr_state) = (opt_state if clip
+                                                       else (None, opt_state))
+    lr = jnp.array(-1 * schedule(lr_state.count), jnp.float32)   # scale_by_learning_rate's
+    new_params, adam_state = fp8_adam.apply_adamw(
+        cfg.moments_kernel, grad_sums, params, adam_state, denom=denom, g_norm=grad_norm,
+        lr=lr, max_norm=cfg.clip_norm if clip else 0.0, weight_decay=cfg.weight_decay,
+        decay_mask=decay_mask(params), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    adamw_state = (adam_state, decay_state,
+                   optax.ScaleByScheduleState(optax.safe_increment(lr_state.count)))
+    return new_params, (clip_state, adamw_state) if clip else adamw_state, grad_norm
+  return apply

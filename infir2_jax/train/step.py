@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from infir2_jax.train import grads as grads_lib
+from infir2_jax.train import optim
 from infir2_jax.train.loss import (chunked_cross_entropy_sums, cross_entropy_sums,
                                    fused_head_cross_entropy_sums)
 from infir2_jax.precision import telemetry
@@ -84,7 +85,8 @@ def compute_dtype_grad_fn(model: nn.Module) -> Callable:
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, grad_accum_steps: int = 1,
-                    telemetry_model: nn.Module | None = None) -> Callable:
+                    telemetry_model: nn.Module | None = None,
+                    apply: optim.Apply | None = None) -> Callable:
   """Builds train_step(state, batch) -> (state, metrics). Jit it with donated state.
 
   Gradients are of the summed token loss, divided once by the total number of loss tokens
@@ -101,7 +103,12 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
   With `telemetry_model` (the same model built with a telemetry dot_general factory) the step
   is train_step(state, batch, sinks) and metrics["fp8"] holds the FP8 numerics of the first
   micro-batch (precision.telemetry.summarize turns it into scalars). Use it every N steps.
+
+  `apply` takes the gradient sums to new params and optimizer state (optim.make_apply: the
+  fused fp8 step reads the sums as they are, with no float32 gradients in memory); by
+  default optim.generic_apply(optimizer).
   """
+  apply = apply or optim.generic_apply(optimizer)
   grad_fn = compute_dtype_grad_fn(model)
   telemetry_grad_fn = telemetry_model and _telemetry_grad_fn(telemetry_model)
 
@@ -125,11 +132,9 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation,
       (loss_sum, num_tokens, grad_sums), _ = jax.lax.scan(
           accumulate, (loss_sum, num_tokens, jax.tree.map(as_param, grad_sums, params)), rest)
     denom = jnp.maximum(num_tokens, 1.0)
-    grads = jax.tree.map(lambda g, p: as_param(g, p) / denom, grad_sums, params)
-    updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-    new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-                 "opt_state": opt_state}
-    metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads),
+    new_params, opt_state, grad_norm = apply(grad_sums, denom, state["opt_state"], params)
+    new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
+    metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm,
                "lr": schedule(state["step"]), "loss_tokens": num_tokens}
     if fp8_stats is not None:
       metrics["fp8"] = fp8_stats

@@ -26,7 +26,7 @@ from infir2_jax.train import (continuation, identity, loggers, nan_advice, preem
                               rundir, runlock, startup)
 from infir2_jax.train.checkpoint import Checkpointer, all_finite, restore_params
 from infir2_jax.train.metrics import MetricsWriter, peak_flops_per_device, perplexity
-from infir2_jax.train.optim import make_optimizer, make_schedule, stable_end
+from infir2_jax.train.optim import make_apply, make_optimizer, make_schedule, stable_end
 from infir2_jax.train.profile import StepProfiler
 from infir2_jax.train.background import Background
 from infir2_jax.train.step import make_eval_step, make_train_step
@@ -130,7 +130,8 @@ def _with_finite_flag(step_fn):
 def _jit_steps(cfg: TrainConfig, model, optimizer, schedule, shardings, place) -> _Steps:
   with place.context():
     train_step = jax.jit(
-        _with_finite_flag(make_train_step(model, optimizer, schedule, cfg.grad_accum_steps)),
+        _with_finite_flag(make_train_step(model, optimizer, schedule, cfg.grad_accum_steps,
+                                          apply=make_apply(cfg.opt, cfg.steps, optimizer))),
         in_shardings=(shardings, place.batch), out_shardings=(shardings, place.replicated),
         donate_argnums=0)
     eval_step = jax.jit(make_eval_step(model), in_shardings=(shardings["params"], place.batch))
@@ -540,7 +541,8 @@ def _telemetry_step(cfg, model, optimizer, schedule, shardings, place):
   with place.context():
     step = jax.jit(
         _with_finite_flag(make_train_step(model, optimizer, schedule, cfg.grad_accum_steps,
-                                          telemetry_model=model_t)),
+                                          telemetry_model=model_t,
+                                          apply=make_apply(cfg.opt, cfg.steps, optimizer))),
         in_shardings=(shardings, place.batch, place.replicated),
         out_shardings=(shardings, place.replicated), donate_argnums=0)
   return step, sinks
