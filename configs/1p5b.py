@@ -11,9 +11,12 @@ Variants: "smoke" (the real shapes, a few steps); "fast" (unrolled layers that k
 residuals: on one H200 at 2 x 8192 infir2's step took 351.5 ms against 407 scanned, 0.921x
 bf16 unrolled, for 65.0 GiB peak instead of 60.2 and ~75 s of cold compile instead of ~44;
 benchmarks/results/train_step_h200_1p5b_s16_8k_unrolled.json); "lean" (fast, with Adam's
-moments in FP8 and the LM head and loss 2048 tokens at a time: 44.0 GiB peak, 0.73x bf16's
-60.2, in 363.7 ms a step against the default's 396.8, session 20,
-benchmarks/results/train_step_h200_1p5b_s20_8k_memfast.json).
+moments in FP8: 42.4 GiB peak, 0.70x bf16's 60.2, in 333.9 ms a step, 1.016x fast's,
+session 21, benchmarks/results/train_step_h200_1p5b_s21_8k_fusedloss.json).
+
+Every variant computes the LM head and loss 2048 tokens at a time as one custom derivative
+(model.loss_chunk, model.loss_fused; train/loss.py): no [tokens, vocab] float32 logits,
+14 GiB less at 2 x 8192 for the same step time (session 21, the same json).
 
 Architecture = HF Qwen/Qwen2.5-1.5B config.json. Schedule: the paper's WSD, scaled to `steps`.
 """
@@ -36,6 +39,8 @@ def get_config(variant: str | None = None):
   config.model.attention = "auto"      # cuDNN flash attention on GPU
   config.model.remat = "save_dots"
   config.model.scan_layers = True      # one compiled layer: FP8 step compiles ~10x faster
+  config.model.loss_chunk = 2048       # the LM head and loss 2048 tokens at a time, fused:
+  config.model.loss_fused = True       # no float32 logits, -14 GiB, same time (session 21)
 
   config.data.tokenizer = "qwen2.5"
   config.precision.recipe = "infir2"
@@ -63,7 +68,6 @@ def get_config(variant: str | None = None):
     config.model.remat = "save_dots_fp8"   # keep the backward's FP8 operands: no re-quantizing
     if variant == "lean":
       config.opt.moments = "fp8"           # 2.1 bytes a param for Adam's moments, not 8
-      config.model.loss_chunk = 2048       # no [tokens, vocab] float32 logits
   elif variant:
     raise ConfigError(f"unknown variant {variant!r} of configs/1p5b.py; valid: 'smoke', "
                       "'fast', 'lean'")
