@@ -14,7 +14,14 @@ it. Its top-level entries are grouped here into owners: master weights, Adam's m
 the batch, and the step's own buffers by the op that made them (the scan's stacked weights,
 the loss's float32 logits and their gradient, the scan's saved layer inputs, ...).
 XLA:GPU's deviceless compile skips autotuning, so the workspace of autotuned kernels is
-not in it: the H200 measured 127.3 GiB where this reads 119.0 for the 7B's infir2 step.
+not in it: the H200 measured 127.2 GiB where this allocates 121.5 for the 7B's infir2 step.
+
+The headline is what the compiled step allocates (arguments + temporaries, the buffer
+assignment). The live-range breakdown names what is live at the peak, but it counts values,
+not memory: a scan's stacked residuals are one slice that it counts twice (the op that fills
+it and the loop's copy), and it ignores packing, so its total can read well above or below
+the allocation (7B save_dots_fp8: 186.7 against 127.4 GiB; session 21,
+results/peak_buffers_7b_s21_remat_summary.json). Read owners from it, totals from the first.
 """
 import argparse
 import glob
@@ -130,8 +137,14 @@ def main(argv):
       out["rows"][label] = {"memory_analysis": r["memory_analysis"], "peak": r["peak"],
                             "compile_s": r["compile_s"], "how": r["how"]}
       gib = lambda b: b / 2**30
-      print(f"{label}: peak {gib(r['peak']['peak_bytes']):.1f} GiB at instruction "
-            f"{r['peak']['peak_instruction']}", flush=True)
+      mem = r["memory_analysis"]
+      allocated = mem["argument_size_in_bytes"] + mem["temp_size_in_bytes"]
+      out["rows"][label]["allocated_gib"] = gib(allocated)
+      print(f"{label}: allocates {gib(allocated):.1f} GiB (arguments "
+            f"{gib(mem['argument_size_in_bytes']):.1f} + temporaries "
+            f"{gib(mem['temp_size_in_bytes']):.1f}); live ranges at the peak "
+            f"{gib(r['peak']['peak_bytes']):.1f} GiB at instruction "
+            f"{r['peak']['peak_instruction']}, by owner:", flush=True)
       for name, size in r["peak"]["by_owner"].items():
         print(f"    {gib(size):7.2f} GiB  {name}", flush=True)
     if args.out:
