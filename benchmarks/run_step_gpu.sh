@@ -32,6 +32,8 @@
 #        with it: the loss without float32 logits against the whole-row loss's time),
 #        7bfused (7B at 4 x 4096, document mask: bf16, infir2, infir2 without the fused backward),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
+#        7bspeed (7B at 4 x 4096: bf16 as configs/7b.py has it, infir2 unrolled with fp8
+#        moments, the fused loss and the fused FP8 AdamW step under save_dots and save_dots_fp8),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
 set -o pipefail
@@ -170,6 +172,17 @@ elif [[ $STAGE == 7b ]]; then
     --recipes=bf16,infir2~opt.moments=fp8,infir2,infir2~opt.moments=bf16 \
     --seq_lens=4096 "${COMMON[@]}" --override=steps=16 --steps=12 --variant_timeout_s=230 \
     --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 | tail -30
+elif [[ $STAGE == 7bspeed ]]; then
+  # Memory spent on speed at 7B (issue 35 item 3): unrolled layers with FP8 moments, the
+  # fused loss and the fused FP8 AdamW step leave room for lighter remat (deviceless
+  # allocations 101.3 GiB with save_dots, 119.5 with save_dots_fp8, against 121.5 for
+  # infir2 with full remat; results/peak_buffers_7b_s21_fused_apply.json).
+  U=model.scan_layers=False~opt.moments=fp8~model.loss_chunk=2048~model.loss_fused=True
+  timeout $((DEADLINE + 240)) python3 benchmarks/train_step.py --config=configs/7b.py \
+    --recipes=bf16,infir2~$U~model.remat=save_dots,infir2~$U~model.remat=save_dots_fp8 \
+    --seq_lens=4096 "${COMMON[@]}" --override=steps=14 --steps=10 --variant_timeout_s=240 \
+    --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 \
+    | grep -vE "onstant.folding|slow_operation|^$" | tail -30
 elif [[ $STAGE == startup ]]; then
   # cold: empty compilation cache; warm: a fresh run with the cache; resume: the warm run
   # continued from its step-3 checkpoint (cache warm, the 17 GiB state restored).
