@@ -426,3 +426,42 @@ def test_fused_step_runs_per_shard_with_one_devices_numbers_on_8_devices(kernel)
   got = jax.device_get(got)
   assert_same_bits(got[:2], jax.device_get(want[:2]))
   np.testing.assert_allclose(got[2], want[2], rtol=1e-6)   # the norm's sum: per-shard order
+
+
+def test_fused_step_lowered_for_cuda_is_one_fast_triton_kernel_per_shape_in_place():
+  """The train step's fused update (optim.make_apply, kernel "auto") lowered for CUDA on this
+  CPU host: Triton's fp8_adamw for every param, one kernel per distinct (rows, decay) of the
+  params (_jitted_triton_kernel: the six layers share one), the GPU's approximate
+  instructions (fp8_adam.FAST_PTX) and none of libdevice's exact routines, and the param and
+  the six moment parts written over their inputs (aliased), so the donated state is updated
+  in place instead of copied."""
+  import re  # pylint: disable=import-outside-toplevel
+  from jax.sharding import AbstractDevice, AbstractMesh  # pylint: disable=import-outside-toplevel
+  cfg = OptConfig(moments="fp8", moments_kernel="auto", b1=B1, b2=B2, warmup_steps=1,
+                  clip_norm=1.0, weight_decay=0.1)
+  # Six matrices of one shape, a 1-D param of the same rows (not decayed: another kernel)
+  # and a padded one (77 lanes: one zero-padded group).
+  shapes = {f"layer_{i}": (256, 512) for i in range(6)} | {"bias": (512,), "norm": (77,)}
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+  sums = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16) for k, s in shapes.items()}
+  state = jax.eval_shape(make_optimizer(cfg, 10).init, params)
+  denom = jax.ShapeDtypeStruct((), jnp.float32)
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(optim.make_apply(cfg, 10), donate_argnums=(2, 3)).trace(
+        sums, denom, state, params).lower(lowering_platforms=("cuda",)).as_text()
+  kernels = [ln for ln in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in ln]
+  distinct = {(fp8_adam.to_rows(jnp.zeros(s)).shape[0], len(s) >= 2) for s in shapes.values()}
+  assert len(kernels) == len(distinct), len(kernels)
+  calls = re.findall(r"call @(_kernel_call\w*)", text)
+  assert len(calls) == len(shapes) and len(set(calls)) == len(distinct), calls
+  alias = "output_tuple_indices = [{}], operand_index = {},"
+  for line in kernels:
+    assert 'name = "fp8_adamw"' in line
+    # operands: sum, param, 6 moment parts, scalars; results: param, 6 moment parts
+    assert all(alias.format(out, out + 1) in line for out in range(7)), line[-3000:]
+  exact = {"__nv_log2f", "__nv_exp2f", "__nv_sqrtf"}
+  approx = ("lg2.approx.f32", "ex2.approx.f32", "rcp.approx.f32", "sqrt.approx.f32")
+  called = set(re.findall(r"__nv_\w+", text))
+  assert all(a in text for a in approx) and not called & exact, called
