@@ -465,3 +465,31 @@ def test_fused_step_lowered_for_cuda_is_one_fast_triton_kernel_per_shape_in_plac
   approx = ("lg2.approx.f32", "ex2.approx.f32", "rcp.approx.f32", "sqrt.approx.f32")
   called = set(re.findall(r"__nv_\w+", text))
   assert all(a in text for a in approx) and not called & exact, called
+
+
+@pytest.mark.slow
+def test_moments_update_benchmark_step_variants_run_tiny_on_cpu(tmp_path):
+  """benchmarks/moments_update.py's step variants (from the raw sums, clipped): the clip
+  acts, the fp8 steps are compared with each other (the chain's kernels bit for bit on the
+  CPU, as the update variants are; the fused step by how far), and the fused step moves the
+  fewest bytes."""
+  import sys  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+  import moments_update  # pylint: disable=import-outside-toplevel
+  variants = ["fp8_reference_step", "fp8_pallas_step", "fp8_fused_step", "optax_fp32_step"]
+  results = moments_update.main(["--tiny", "--steps=2", "--iters=1",
+                                 f"--variants={','.join(variants)}",
+                                 f"--out={tmp_path / 'steps.json'}"])
+  (shape_set,) = results["results"]
+  got = shape_set["variants"]
+  assert list(got) == variants
+  for v in got.values():
+    assert v["ms"] > 0 and v["grad_norm"] > moments_update.STEP_CLIP_NORM
+  norms = [v["grad_norm"] for v in got.values()]   # the same sums: the norm to rounding
+  np.testing.assert_allclose(norms, norms[0], rtol=1e-6)
+  assert shape_set["bit_identical_to_fp8_reference_step"]["fp8_pallas_step"]
+  assert set(shape_set["differences_to_fp8_reference_step"]) == set(variants[1:3])
+  assert (got["fp8_fused_step"]["bytes_moved"] < got["optax_fp32_step"]["bytes_moved"]
+          < got["fp8_pallas_step"]["bytes_moved"])
+  assert not any(k.startswith("bit_identical_to_optax") for k in shape_set)

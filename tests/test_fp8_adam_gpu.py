@@ -107,10 +107,12 @@ def apply_steps(apply, params, sums_and_denoms):
   return out
 
 
-def fused_steps(monkeypatch, fused_problem, fast_math):
-  monkeypatch.setattr(fp8_adam, "FAST_MATH", fast_math)   # read when the kernel is traced
-  params, steps, _ = fused_problem
-  return apply_steps(optim.make_apply(FUSED_CFG, 10), params, steps)
+def fused_steps(fused_problem, fast_math):
+  """The fused step's results with FAST_MATH as given (read when the kernel is traced)."""
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    monkeypatch.setattr(fp8_adam, "FAST_MATH", fast_math)
+    params, steps, _ = fused_problem
+    return apply_steps(optim.make_apply(FUSED_CFG, 10), params, steps)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +132,12 @@ def fused_problem():
   return params, steps, want
 
 
+@pytest.fixture(scope="module")
+def fused_fast(fused_problem):
+  """The fused step as the GPU runs it (FAST_PTX), once for both tests."""
+  return fused_steps(fused_problem, True)
+
+
 def update_error(got_p, want_p, old_p):
   """|got - want| of new params relative to the reference's update want - old, less one
   float32 spacing of the param (the rounding of p + lr * u can land either side, and Triton
@@ -140,14 +148,14 @@ def update_error(got_p, want_p, old_p):
   return np.maximum(np.abs(got - want) - slack, 0) / np.maximum(np.abs(want - old), 1e-30)
 
 
-def test_fused_first_step_is_the_reference_to_float32_rounding(monkeypatch, fused_problem):
+def test_fused_first_step_is_the_reference_to_float32_rounding(fused_problem, fused_fast):
   """The first step's moments and params within test_first_step_is_the_reference_to_float32_
   rounding's bounds, except the group scales: the fused kernel's gradient is the sum times
   the approximate reciprocals of the loss tokens and of the clip's norm (rcp.approx, an ulp
   each) where the chain divides, so the scale (the group max of |m|) is the reference's to
   float32 rounding (a few ulps), not to the bit."""
   params, _, want = fused_problem
-  got_p, got_state, got_norm = fused_steps(monkeypatch, fused_problem, True)[0]
+  got_p, got_state, got_norm = fused_fast[0]
   want_p, want_state, want_norm = want[0]
   assert jax.tree.structure(got_state) == jax.tree.structure(want_state)
   np.testing.assert_allclose(got_norm, want_norm, rtol=1e-6)   # XLA's reduction, both
@@ -170,15 +178,14 @@ def test_fused_first_step_is_the_reference_to_float32_rounding(monkeypatch, fuse
                                                                  err.max())
 
 
-def test_fused_later_steps_are_no_further_from_the_reference_than_exact_math(monkeypatch,
-                                                                              fused_problem):
+def test_fused_later_steps_are_no_further_from_the_reference_than_exact_math(fused_problem,
+                                                                              fused_fast):
   """After 3 steps the fused kernel with FAST_PTX is no further from the reference chain
   than the fused kernel with libdevice's exact routines (FAST_MATH off): the bound of
   test_later_steps_are_no_further_from_the_reference_than_exact_math, on the params'
   movement over the steps."""
   params, _, want = fused_problem
-  fast = fused_steps(monkeypatch, fused_problem, True)[-1]
-  exact = fused_steps(monkeypatch, fused_problem, False)[-1]
+  fast, exact = fused_fast[-1], fused_steps(fused_problem, False)[-1]
   mean_error = lambda got: np.mean(np.concatenate(
       [relative(np.asarray(got[0][k], np.float64) - params[k],
                 np.asarray(want[-1][0][k], np.float64) - params[k]).ravel() for k in params]))
