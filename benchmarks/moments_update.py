@@ -1,4 +1,5 @@
-"""The AdamW update alone at a model's parameter shapes: optax float32 vs opt.moments=fp8.
+"""The AdamW update at a model's parameter shapes: optax float32 vs opt.moments=fp8, alone and
+as the train step runs it from the raw gradient sums.
 
   python benchmarks/moments_update.py --configs=configs/1p5b.py,configs/7b.py \
       --out=benchmarks/results/moments_update_h200.json
@@ -14,18 +15,36 @@ per program instead of fp8_adam.NUM_WARPS, "_precise" with libdevice's exactly r
 log2/exp2/sqrt and Triton's division instead of the GPU's approximate instructions,
 fp8_adam.FAST_PTX; e.g. fp8_pallas_r8_w2). Each is the
 project's own optimizer (train/optim.py, opt.clip_norm=0: the update alone) followed by
-optax.apply_updates, jitted with the state donated, as the train step runs it. Params
-(float32) and gradients (bfloat16, as train/grads.py hands them over) are allocated on the
-device directly from abstract shapes; no host copy.
+optax.apply_updates, jitted with the state donated. Params (float32) and gradients
+(bfloat16, as train/grads.py hands them over) are allocated on the device directly from
+abstract shapes; no host copy.
+
+Step variants ("_step" in the name) time what the train step now runs from the backward's
+raw gradient sums (bf16) and the loss tokens (a float32 scalar, DENOM) to the new params,
+state and grad norm, with opt.clip_norm=1.0 (every shape set's norm is above it: the clip
+scales; the entry's grad_norm says so): optax_fp32_step and fp8_pallas_step are
+optim.generic_apply (/denom, clip, the optimizer's update, apply_updates, the norm) of
+optax's float32 AdamW and of fp8 moments with the non-fused Pallas kernel; fp8_fused_step
+is optim.make_apply's fused fp8 step (fp8_adam.apply_adamw: one kernel per param from the
+sums to the param and moments, in place). The _rN/_wN/_precise options apply to them too
+(fp8_fused_step_precise).
 
 Per variant: ms per update (host wall time of back-to-back donated calls: each call consumes
 the state the last one returned, so CUPTI's repeated-argument timing does not apply), the
-bytes it must move at least (state in and out, gradients in), the GB/s that makes, and the
-fusions and custom calls (our kernels) of its compiled HLO. The fp8 variants run the same
-steps from the same state, and their results are compared bit for bit (a fingerprint of
-every array's bits on the device; whole arrays with --tiny). --aot_gpu compiles for the
-H200 on a CPU host (deviceless, benchmarks/gpu_target_configs/README.md) and only counts
-the fusions.
+bytes it must move at least (state in and out, gradients in; bytes_moved says what a step
+variant adds), the GB/s that makes, the fusions and custom calls (our kernels) of its
+compiled HLO, and the temporaries XLA allocates beside the arguments (temp_gib). The fp8
+variants run the same steps from the same state, and their results are compared bit for bit
+(a fingerprint of every array's bits on the device; whole arrays with --tiny, which also
+says how far apart in ulps): the update variants with the first fp8 update variant, the
+step variants with the first fp8 step variant. Variants whose float32 ops differ are
+expected to differ, and the differences say by how much: fp8_pallas_precise against
+fp8_pallas on the GPU; fp8_fused_step against the chain's steps (the fused kernel divides
+by the tokens and the norm in its own program, with the approximate reciprocal on the GPU;
+even on the CPU the last bit of a gradient moves a group's range, so k by ulps and codes
+at rounding boundaries by one, and a param's ulps count large where its update cancels
+it). --aot_gpu compiles for the H200 on a CPU host (deviceless,
+benchmarks/gpu_target_configs/README.md) and only counts the fusions.
 """
 
 import argparse
@@ -37,7 +56,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = ("optax_fp32", "fp8_reference", "fp8_jnp", "fp8_pallas")
+STEP_VARIANTS = ("optax_fp32_step", "fp8_pallas_step", "fp8_fused_step")
+VARIANTS = ("optax_fp32", "fp8_reference", "fp8_jnp", "fp8_pallas") + STEP_VARIANTS
+# The step variants' loss tokens: not a power of two (1 / DENOM rounds, as the fused kernel's
+# approximate reciprocal may not), and small enough that the norm of sums / DENOM is above
+# opt.clip_norm at every shape set (the generated sums' norm is ~0.19 sqrt(params)).
+DENOM = 48.0
+STEP_CLIP_NORM = 1.0
 TINY_SHAPES = {"embed": (512, 256), "q_proj": (256, 256), "k_proj": (256, 128),
                "up_proj": (256, 640), "down_proj": (640, 256), "q_bias": (256,),
                "norm": (200,), "gain": ()}
@@ -70,34 +95,69 @@ def param_shapes(spec: str) -> dict[str, tuple[int, ...]]:
   return {path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
 
 
+def is_step(variant: str) -> bool:
+  """A step variant (from the raw sums, clipped) rather than the update alone."""
+  return "step" in variant.split("_")
+
+
 def make_update(variant: str):
-  """(optimizer, update(params, grads, opt_state) -> (params, opt_state)) of a variant."""
+  """(optimizer, update(params, grads, opt_state, denom) -> (params, opt_state, extra)) of a
+  variant: extra is the grad norm of a step variant (its grads the raw sums, divided by
+  denom), () for an update variant (grads the gradients; denom unused)."""
   import optax
   from infir2_jax.config import OptConfig
+  from infir2_jax.train import optim
   from infir2_jax.train.optim import make_optimizer
   from infir2_jax.train import fp8_adam
-  moments, kernel = ("fp32", "jnp") if variant == "optax_fp32" else ("fp8", variant[4:])
-  # fp8_pallas[_rN][_wN][_precise]: N rows per program, N warps, libdevice's exact math
+  moments, kernel = (("fp32", "jnp" + variant[len("optax_fp32"):])
+                     if variant.startswith("optax_fp32") else ("fp8", variant[4:]))
+  # fp8_pallas[_rN][_wN][_precise][_step]: N rows per program, N warps, libdevice's exact
+  # math, from the raw sums; fp8_fused_step[...]: optim.make_apply's fused step
   kernel, *options = kernel.split("_")
+  step = "step" in options
+  if kernel == "fused" and not step:
+    raise ValueError(f"{variant}: the fused kernel is the train step's (fp8_fused_step)")
   option = lambda key, default: next((int(o[1:]) for o in options if o[0] == key
                                       and o[1:].isdigit()), default)
   settings = {"BLOCK_ROWS": option("r", fp8_adam.BLOCK_ROWS),
               "NUM_WARPS": option("w", fp8_adam.NUM_WARPS),
               "FAST_MATH": "precise" not in options}
-  tx = make_optimizer(OptConfig(moments=moments, moments_kernel=kernel, clip_norm=0.0,
-                                warmup_steps=1), 1000)
+  cfg = OptConfig(moments=moments, moments_kernel="pallas" if kernel == "fused" else kernel,
+                  clip_norm=STEP_CLIP_NORM if step else 0.0, warmup_steps=1)
+  tx = make_optimizer(cfg, 1000)
+  # fp8_pallas_step: the non-fused kernel forced through the generic step (make_apply would
+  # fuse it); fp8_fused_step: make_apply's fused step.
+  apply = optim.make_apply(cfg, 1000) if kernel == "fused" else optim.generic_apply(tx)
 
-  def update(params, grads, opt_state):
+  def update(params, grads, opt_state, denom):
     saved = {name: getattr(fp8_adam, name) for name in settings}
     for name, value in settings.items():
       setattr(fp8_adam, name, value)
     try:   # read when the kernel is traced, which is now
+      if step:
+        return apply(grads, denom, opt_state, params)
       updates, opt_state = tx.update(grads, opt_state, params)
     finally:
       for name, value in saved.items():
         setattr(fp8_adam, name, value)
-    return optax.apply_updates(params, updates), opt_state
+    return optax.apply_updates(params, updates), opt_state, ()
   return tx, update
+
+
+def bytes_moved(variant: str, state_bytes: int, grad_bytes: int, padded_params: int) -> int:
+  """The bytes a variant must move at least: its state (params and optimizer state) in and
+  out, the gradients in. A step variant reads the gradient sums twice: the global norm is a
+  reduction over all of them that the clip needs before any param's update. The non-fused
+  fp8 Pallas step also writes the float32 gradients (divided, clipped) for its kernel to read
+  and the kernel's float32 direction for apply_updates to read, 4 bytes each way a padded
+  param. (The update variants keep their first accounting: fp8_pallas's direction is not
+  counted there.)"""
+  if not is_step(variant):
+    return 2 * state_bytes + grad_bytes
+  extra = 0
+  if variant.startswith("fp8_") and variant.split("_")[1] == "pallas":
+    extra = 2 * 4 * padded_params * 2   # the float32 gradients and the direction
+  return 2 * state_bytes + 2 * grad_bytes + extra
 
 
 def hlo_launches(hlo_text: str) -> dict[str, int]:
@@ -130,10 +190,13 @@ def run_shape_set(name, shapes, args, device_or_none, save=lambda partial: None)
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from infir2_jax.train.moments import GROUP, group_shape
   grad_dtype = jnp.dtype(args.grad_dtype)
   abstract_params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
   abstract_grads = {k: jax.ShapeDtypeStruct(s, grad_dtype) for k, s in shapes.items()}
+  abstract_denom = jax.ShapeDtypeStruct((), jnp.float32)
   n_params = int(sum(np.prod(s) for s in shapes.values()))
+  padded_params = int(sum(np.prod(group_shape(s) or (1,)) * GROUP for s in shapes.values()))
   out = {"shapes": name, "tensors": len(shapes), "params": n_params, "variants": {}}
   fingerprints = {}
   for variant in args.variants.split(","):
@@ -149,16 +212,20 @@ def run_shape_set(name, shapes, args, device_or_none, save=lambda partial: None)
       # The abstract mesh names the GPU for Pallas' Triton lowering (no GPU here).
       with jax.sharding.use_abstract_mesh(
           jax.sharding.Mesh([device_or_none], ("x",)).abstract_mesh):
-        compiled = step.trace(on(abstract_params), on(abstract_grads), on(abstract_state)
-                              ).lower(lowering_platforms=("cuda",)).compile()
+        compiled = step.trace(on(abstract_params), on(abstract_grads), on(abstract_state),
+                              on(abstract_denom)).lower(lowering_platforms=("cuda",)).compile()
     else:
-      compiled = step.lower(abstract_params, abstract_grads, abstract_state).compile()
+      compiled = step.lower(abstract_params, abstract_grads, abstract_state,
+                            abstract_denom).compile()
     entry = {"compile_s": round(time.perf_counter() - t0, 1),
              **hlo_launches(compiled.as_text())}
+    memory = compiled.memory_analysis()   # the temporaries beside the donated state
+    if memory is not None:
+      entry["temp_gib"] = round(memory.temp_size_in_bytes / 2**30, 3)
     state_bytes = sum(x.size * x.dtype.itemsize for x in
                       jax.tree.leaves((abstract_params, abstract_state)))
     grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_grads))
-    entry["bytes_moved"] = int(2 * state_bytes + grad_bytes)   # state in and out, grads in
+    entry["bytes_moved"] = bytes_moved(variant, state_bytes, grad_bytes, padded_params)
     entry["bytes_per_param"] = round(entry["bytes_moved"] / n_params, 3)
     if not args.aot_gpu:
       entry.update(_time_variant(step, tx, abstract_params, grad_dtype, args, fingerprints,
@@ -167,8 +234,10 @@ def run_shape_set(name, shapes, args, device_or_none, save=lambda partial: None)
     out["variants"][variant] = entry
     print(f"[{name}] {variant}: {entry}", flush=True)
     save(out)   # what is measured survives a run cut short
-  fp8 = [v for v in fingerprints if v.startswith("fp8_")]
-  if len(fp8) > 1:
+  for step_kind in (False, True):   # update variants with each other, step variants too
+    fp8 = [v for v in fingerprints if v.startswith("fp8_") and is_step(v) == step_kind]
+    if len(fp8) < 2:
+      continue
     ref = fingerprints[fp8[0]]
     out["bit_identical_to_" + fp8[0]] = {
         v: bool(all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(ref),
@@ -243,21 +312,28 @@ def _time_variant(step, tx, abstract_params, grad_dtype, args, fingerprints, var
   t0 = time.perf_counter()
   params, grads, opt_state = jax.block_until_ready(make_inputs())
   print(f"  {variant}: inputs on the device in {time.perf_counter() - t0:.1f} s", flush=True)
+  # A step variant's grads are the raw sums over DENOM tokens (the same draws: the sums of
+  # every step variant are equal, as the gradients of every update variant are).
+  denom = jnp.float32(DENOM)
+  extra = ()
   for _ in range(args.steps):
-    params, opt_state = step(params, grads, opt_state)
+    params, opt_state, extra = step(params, grads, opt_state, denom)
   if variant.startswith("fp8_"):
-    result = (params, opt_state)
+    result = (params, opt_state, extra)   # extra: () for an update variant, the norm for a step
     fingerprints[variant] = jax.device_get(result if args.tiny else _fingerprint(result))
   jax.block_until_ready((params, opt_state))
   print(f"  {variant}: {args.steps} updates and the fingerprint in "
         f"{time.perf_counter() - t0:.1f} s", flush=True)
   t0 = time.perf_counter()
   for _ in range(args.iters):
-    params, opt_state = step(params, grads, opt_state)
+    params, opt_state, _ = step(params, grads, opt_state, denom)
   jax.block_until_ready((params, opt_state))
   ms = (time.perf_counter() - t0) * 1e3 / args.iters
   del params, grads, opt_state
-  return {"ms": round(ms, 3)}
+  timing = {"ms": round(ms, 3)}
+  if jax.tree.leaves(extra):
+    timing["grad_norm"] = float(extra)   # after the first --steps: above the clip's norm
+  return timing
 
 
 def main(argv):

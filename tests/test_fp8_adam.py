@@ -426,3 +426,70 @@ def test_fused_step_runs_per_shard_with_one_devices_numbers_on_8_devices(kernel)
   got = jax.device_get(got)
   assert_same_bits(got[:2], jax.device_get(want[:2]))
   np.testing.assert_allclose(got[2], want[2], rtol=1e-6)   # the norm's sum: per-shard order
+
+
+def test_fused_step_lowered_for_cuda_is_one_fast_triton_kernel_per_shape_in_place():
+  """The train step's fused update (optim.make_apply, kernel "auto") lowered for CUDA on this
+  CPU host: Triton's fp8_adamw for every param, one kernel per distinct (rows, decay) of the
+  params (_jitted_triton_kernel: the six layers share one), the GPU's approximate
+  instructions (fp8_adam.FAST_PTX) and none of libdevice's exact routines, and the param and
+  the six moment parts written over their inputs (aliased), so the donated state is updated
+  in place instead of copied."""
+  import re  # pylint: disable=import-outside-toplevel
+  from jax.sharding import AbstractDevice, AbstractMesh  # pylint: disable=import-outside-toplevel
+  cfg = OptConfig(moments="fp8", moments_kernel="auto", b1=B1, b2=B2, warmup_steps=1,
+                  clip_norm=1.0, weight_decay=0.1)
+  # Six matrices of one shape, a 1-D param of the same rows (not decayed: another kernel)
+  # and a padded one (77 lanes: one zero-padded group).
+  shapes = {f"layer_{i}": (256, 512) for i in range(6)} | {"bias": (512,), "norm": (77,)}
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
+  sums = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16) for k, s in shapes.items()}
+  state = jax.eval_shape(make_optimizer(cfg, 10).init, params)
+  denom = jax.ShapeDtypeStruct((), jnp.float32)
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(optim.make_apply(cfg, 10), donate_argnums=(2, 3)).trace(
+        sums, denom, state, params).lower(lowering_platforms=("cuda",)).as_text()
+  kernels = [ln for ln in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in ln]
+  distinct = {(fp8_adam.to_rows(jnp.zeros(s)).shape[0], len(s) >= 2) for s in shapes.values()}
+  assert len(kernels) == len(distinct), len(kernels)
+  calls = re.findall(r"call @(_kernel_call\w*)", text)
+  assert len(calls) == len(shapes) and len(set(calls)) == len(distinct), calls
+  alias = "output_tuple_indices = [{}], operand_index = {},"
+  for line in kernels:
+    assert 'name = "fp8_adamw"' in line
+    # operands: sum, param, 6 moment parts, scalars; results: param, 6 moment parts
+    assert all(alias.format(out, out + 1) in line for out in range(7)), line[-3000:]
+  exact = {"__nv_log2f", "__nv_exp2f", "__nv_sqrtf"}
+  approx = ("lg2.approx.f32", "ex2.approx.f32", "rcp.approx.f32", "sqrt.approx.f32")
+  called = set(re.findall(r"__nv_\w+", text))
+  assert all(a in text for a in approx) and not called & exact, called
+
+
+@pytest.mark.slow
+def test_moments_update_benchmark_step_variants_run_tiny_on_cpu(tmp_path):
+  """benchmarks/moments_update.py's step variants (from the raw sums, clipped): the clip
+  acts, the fp8 steps are compared with each other (the chain's kernels bit for bit on the
+  CPU, as the update variants are; the fused step by how far), and the fused step moves the
+  fewest bytes."""
+  import sys  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+  import moments_update  # pylint: disable=import-outside-toplevel
+  variants = ["fp8_reference_step", "fp8_pallas_step", "fp8_fused_step", "optax_fp32_step"]
+  results = moments_update.main(["--tiny", "--steps=2", "--iters=1",
+                                 f"--variants={','.join(variants)}",
+                                 f"--out={tmp_path / 'steps.json'}"])
+  (shape_set,) = results["results"]
+  got = shape_set["variants"]
+  assert list(got) == variants
+  for v in got.values():
+    assert v["ms"] > 0 and v["grad_norm"] > moments_update.STEP_CLIP_NORM
+  norms = [v["grad_norm"] for v in got.values()]   # the same sums: the norm to rounding
+  np.testing.assert_allclose(norms, norms[0], rtol=1e-6)
+  assert shape_set["bit_identical_to_fp8_reference_step"]["fp8_pallas_step"]
+  assert set(shape_set["differences_to_fp8_reference_step"]) == set(variants[1:3])
+  assert (got["fp8_fused_step"]["bytes_moved"] < got["optax_fp32_step"]["bytes_moved"]
+          < got["fp8_pallas_step"]["bytes_moved"])
+  assert not any(k.startswith("bit_identical_to_optax") for k in shape_set)
