@@ -361,9 +361,14 @@ def test_fused_step_equals_the_chain(kernel, case):
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for g, w in zip(jax.tree.leaves((got[0], got[2])), jax.tree.leaves((want[0], want[2]))):
       np.testing.assert_allclose(g, w, rtol=1e-6, atol=0)
-    counts = lambda state: [int(c) for c in jax.tree.leaves(state) if np.ndim(c) == 0
-                            and np.issubdtype(np.asarray(c).dtype, np.integer)]
-    assert counts(got[1]) == counts(want[1])
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+      g, w = np.asarray(g), np.asarray(w)
+      if g.dtype == jnp.float8_e4m3fn:   # codes: a scale an ulp apart may move a code by one
+        assert np.mean(g.astype(np.float32) != w.astype(np.float32)) < 5e-3   # seen: 1.1e-3
+      elif np.issubdtype(g.dtype, np.floating):   # group scales
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=0)   # seen: 6.6e-6
+      else:                                       # counts and exponents
+        np.testing.assert_array_equal(g, w)
 
 
 def test_fused_step_is_what_make_apply_picks():
