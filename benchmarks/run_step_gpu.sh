@@ -188,12 +188,17 @@ elif [[ $STAGE == 7bspeed ]]; then
   # fused loss and the fused FP8 AdamW step leave room for lighter remat (deviceless
   # allocations 101.3 GiB with save_dots, 119.5 with save_dots_fp8, against 121.5 for
   # infir2 with full remat; results/peak_buffers_7b_s21_fused_apply.json).
+  # XLA's memory-usage reports of the compiled steps come back too: against the deviceless
+  # compile's (benchmarks/peak_buffers.py) they show what the H200's ~6 GiB more is.
   U=model.scan_layers=False~opt.moments=fp8~model.loss_chunk=2048~model.loss_fused=True
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/xla_dump --xla_dump_hlo_module_re=.*train_step.* --xla_dump_hlo_pass_re=NONE" \
   timeout $((DEADLINE + 240)) python3 benchmarks/train_step.py --config=configs/7b.py \
     --recipes=bf16,infir2~$U~model.remat=save_dots,infir2~$U~model.remat=save_dots_fp8 \
     --seq_lens=4096 "${COMMON[@]}" --override=steps=14 --steps=10 --variant_timeout_s=240 \
     --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 \
     | grep -vE "onstant.folding|slow_operation|^$" | tail -30
+  mkdir -p "$OUT/xla_memory" && cp /tmp/xla_dump/*memory-usage-report.txt "$OUT/xla_memory/" 2>/dev/null
+  ls "$OUT/xla_memory" | head
 elif [[ $STAGE == startup ]]; then
   # cold: empty compilation cache; warm: a fresh run with the cache; resume: the warm run
   # continued from its step-3 checkpoint (cache warm, the 17 GiB state restored).
