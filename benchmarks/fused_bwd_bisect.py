@@ -13,6 +13,9 @@ side by side in one process, at 16384 x 8960 (the 1.5B MLP at 16k tokens):
   bwd            dh, gate, up -> dgate, dup    (the fused backward as the MLP would run it)
   bwd_noalias    the same, fp8 staging in its own shared memory
   bwd_unrolled   the same, the two outputs' quantization unrolled (session 17's kernel)
+  fwd_pipelined, bwd_pipelined(_264), copy2_3in_pipelined: a persistent grid of 132 (264)
+                 CTAs, each loading its next block while it makes the current one
+                 (FusedConfig.programs, session 21)
   copy2_3in      dh, gate, up -> dh, gate      (no arithmetic: 3 inputs, 2 outputs)
   copy1_3in      dh, gate, up -> dh            (3 inputs, 1 output)
   dg_only_3in    dh, gate, up -> dgate         (the backward's arithmetic for 1 output)
@@ -65,6 +68,15 @@ def variants(f):
       "bwd": ("swiglu_bwd", (0, 1), three, fq.FusedConfig(64, True)),
       "bwd_noalias": ("swiglu_bwd", (0, 1), three, fq.FusedConfig(64, False)),
       "bwd_unrolled": ("swiglu_bwd", (0, 1), three, fq.FusedConfig(64, True, False)),
+      # the persistent kernel that loads block i + 1 while it makes block i (session 21),
+      # one and two CTAs' worth of programs per H200 SM (132 SMs)
+      "fwd_pipelined": ("swiglu", (1,), ((0, 0), (0, fb)), fq.FusedConfig(64, False,
+                                                                        programs=132)),
+      "bwd_pipelined": ("swiglu_bwd", (0, 1), three, fq.FusedConfig(64, False, programs=132)),
+      "bwd_pipelined_264": ("swiglu_bwd", (0, 1), three,
+                            fq.FusedConfig(64, False, programs=264)),
+      "copy2_3in_pipelined": ("copy2_3in", (0, 1), three,
+                              fq.FusedConfig(64, False, programs=132)),
       "copy2_3in": ("copy2_3in", (0, 1), three, fq.FusedConfig(64, True)),
       "copy1_3in": ("copy1_3in", (0, 1), three, fq.FusedConfig(64, True)),
       "dg_only_3in": ("dg_only_3in", (0, 1), three, fq.FusedConfig(64, True)),

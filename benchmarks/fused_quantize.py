@@ -32,6 +32,8 @@ from infir2_jax.precision.kernels import fused_quantize as fq
 SHAPES = [(16384, 8960), (16384, 18944)]
 CONFIGS = [fq.FusedConfig(cols, alias) for cols, alias in itertools.product((64, 128),
                                                                            (True, False))]
+# the persistent, pipelined kernel (session 21): one and two programs per H200 SM
+CONFIGS += [fq.FusedConfig(64, False, programs=n) for n in (132, 264)]
 
 
 def _inputs(m, f, n_sets):
@@ -95,7 +97,9 @@ def bench(m, f, n_sets, iters):
       kernel = kernels.swiglu_quantize if name == "fwd" else kernels.swiglu_bwd_quantize
       fn = lambda *a, config=config, kernel=kernel: kernel(*a, config=config)
       ms = benchtools.device_ms(_rotating(fn), (sets,), iters) / n_sets
-      entry["configs"][f"cols{config.producer_cols}_alias{int(config.alias_outputs)}"] = {
+      label = f"cols{config.producer_cols}_alias{int(config.alias_outputs)}"
+      label += f"_programs{config.programs}" if config.programs else ""
+      entry["configs"][label] = {
           "us": ms * 1e3, "gbps": nbytes / (ms * 1e-3) / 1e9}
     entry["separate_kernels"] = benchtools.kernel_breakdown(jax.jit(separate), sets[0])
     row[name] = entry

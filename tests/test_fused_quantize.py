@@ -29,6 +29,8 @@ def _gu(m, f, seed=0, special=True):
     (256, 256, "e4m3", "ue8m0", fused_quantize.FusedConfig(64, True)),
     # a token tail (padded to 256 rows inside)
     (200, 128, "e5m2", "fp32", fused_quantize.FusedConfig(128, False)),
+    # the persistent, pipelined kernel: 3 programs for 4 blocks (uneven shares, two stages)
+    (256, 256, "e4m3", "ue8m0", fused_quantize.FusedConfig(64, False, programs=3)),
 ])
 def test_swiglu_quantize_interpret_bit_identical(m, f, fmt, scale_format, config):
   gu = _gu(m, f)
@@ -46,6 +48,9 @@ def test_swiglu_quantize_interpret_bit_identical(m, f, fmt, scale_format, config
     (136, 128, "e4m3", "fp32", fused_quantize.FusedConfig(128, False)),
     # the unrolled form (session 17's kernel, over the instruction cache: kept to compare)
     (256, 128, "e4m3", "ue8m0", fused_quantize.FusedConfig(64, True, loop_outputs=False)),
+    # the persistent, pipelined kernel, a token tail, 5 programs for 4 blocks (capped)
+    (136, 256, "e4m3", "fp32", fused_quantize.FusedConfig(128, False, programs=5)),
+    (256, 256, "e4m3", "ue8m0", fused_quantize.FusedConfig(64, False, programs=3)),
 ])
 def test_swiglu_bwd_quantize_interpret_bit_identical(m, f, fmt, scale_format, config):
   gu = _gu(m, f, seed=1)
@@ -89,6 +94,10 @@ def test_swiglu_references_are_the_float64_formulas_rounded_once():
 def test_fused_config_rejects_bad_values():
   with pytest.raises(ValueError, match="producer_cols"):
     fused_quantize.FusedConfig(producer_cols=32)
+  with pytest.raises(ValueError, match="programs=-1"):
+    fused_quantize.FusedConfig(alias_outputs=False, programs=-1)
+  with pytest.raises(ValueError, match="alias_outputs=False"):
+    fused_quantize.FusedConfig(programs=132)
 
 
 def test_fused_quantize_rejects_bad_input():
@@ -105,7 +114,8 @@ def test_fused_quantize_rejects_bad_input():
 
 @pytest.mark.parametrize("producer", ["swiglu", "swiglu_bwd"])
 @pytest.mark.parametrize("config", [fused_quantize.FusedConfig(cols, alias)
-                                    for cols in (64, 128) for alias in (True, False)], ids=str)
+                                    for cols in (64, 128) for alias in (True, False)]
+                         + [fused_quantize.FusedConfig(64, False, programs=132)], ids=str)
 def test_fused_quantize_lowers_for_hopper(producer, config):
   """The 1.5B's MLP (16384 tokens, F = 8960) and a token tail: shared memory fits, every
   primitive lowers, and the kernel carries its name for profiles."""

@@ -216,10 +216,12 @@ def _ulp_mismatch(values, ref):
 
 
 @pytest.mark.parametrize("producer", ["swiglu", "swiglu_bwd"])
-@pytest.mark.parametrize("m,f,fmt,scale_format,cols,alias", [
-    (4096, 1536, "e4m3", "ue8m0", 64, True), (1000, 768, "e4m3", "fp32", 128, False),
-    (512, 256, "e5m2", "ue8m0", 128, True)])
-def test_fused_quantize_on_gpu(producer, m, f, fmt, scale_format, cols, alias):
+@pytest.mark.parametrize("m,f,fmt,scale_format,cols,alias,programs", [
+    (4096, 1536, "e4m3", "ue8m0", 64, True, 0), (1000, 768, "e4m3", "fp32", 128, False, 0),
+    (512, 256, "e5m2", "ue8m0", 128, True, 0),
+    # the persistent, pipelined kernel: more blocks than programs, uneven shares, a tail
+    (4096, 1536, "e4m3", "ue8m0", 64, False, 132), (1000, 768, "e4m3", "fp32", 64, False, 7)])
+def test_fused_quantize_on_gpu(producer, m, f, fmt, scale_format, cols, alias, programs):
   """The fused kernels quantize the values they make exactly as the reference quantizer does
   (bit for bit); those values are XLA's SwiGLU (backward) but for the last f32 bit of exp and
   division: at most one bf16 ulp, in a few entries per million."""
@@ -228,7 +230,7 @@ def test_fused_quantize_on_gpu(producer, m, f, fmt, scale_format, cols, alias):
   gu = _gu(m, f, seed=m)
   dh = jnp.asarray(np.random.default_rng(f).standard_normal((m, f)) * 1e-2, jnp.bfloat16)
   kw = dict(fmt=fmt, scale_format=scale_format)
-  config = fq.FusedConfig(cols, alias)
+  config = fq.FusedConfig(cols, alias, programs=programs)
   if producer == "swiglu":
     out = jax.jit(lambda g: kernels.swiglu_quantize(g, with_values=True, config=config, **kw))(
         gu)

@@ -54,14 +54,27 @@ class FusedConfig:
       (two outputs) is ~9,400 SASS instructions, ~150 KB: more than the SM's instruction
       cache, so its few warps stall on instruction fetch and it ran 5x slower than every
       variant under ~6,700 (benchmarks/NOTES_kernels.md, session 18).
+    programs: 0 (the default) runs one CTA per 128x128 block. N > 0 runs a persistent grid
+      of min(N, blocks) CTAs; each makes blocks p, p + N, ... and loads the next block's
+      inputs (a second stage of input buffers) while it computes and stores the current
+      one. Each stage's fp8 staging lies over its own last input and the outputs are always
+      looped (alias_outputs must be off: it names the other kernel's aliasing): 2 x 96 KB of
+      shared memory for the backward, 2 x 64 KB for the forward, one CTA per SM; 132 is
+      one per H200 SM.
   """
   producer_cols: int = 64
   alias_outputs: bool = True
   loop_outputs: bool = True
+  programs: int = 0
 
   def __post_init__(self):
     if self.producer_cols not in (64, 128):
       raise ValueError(f"FusedConfig.producer_cols={self.producer_cols}: must be 64 or 128")
+    if self.programs < 0:
+      raise ValueError(f"FusedConfig.programs={self.programs}: must be >= 0")
+    if self.programs and self.alias_outputs:
+      raise ValueError("FusedConfig.programs > 0 (the pipelined kernel) places its staging "
+                       "per stage itself: set alias_outputs=False")
 
 
 DEFAULT_FUSED_CONFIG = FusedConfig()
@@ -215,6 +228,113 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
   )
 
 
+def _pipelined_body(*refs, producer, sources, n_arrays, n_out, fb, mb, programs, fmt,
+                    scale_format, with_values, config: FusedConfig):
+  """_fused_body as a persistent kernel: CTA p of `programs` makes blocks p, p + programs,
+  ... of the [mb, fb] grid (block b is (b // fb, b % fb)), the same work per block, and
+  issues the next block's input loads (into the other of two stages) before it waits for
+  the current block's: the loads overlap the producer, the quantization and the stores.
+
+  Stage s holds the inputs in buffers [s * n_src, (s + 1) * n_src) of one shared array; the
+  producer's outputs replace the first n_out of them, as in _fused_body (looped), and the
+  fp8 staging of the stage's outputs lies over its last input, dead once the producer has
+  run (an fp8 view of the same memory). So before a stage is refilled, the stores that read
+  its staging must have read it.
+  """
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  in_gmem, (q_gmem, s_gmem, qt_gmem, st_gmem, *v_gmem) = refs[:n_arrays], refs[n_arrays:]
+  n_src = len(sources)
+  pid = lax.axis_index("p")
+  n_mine = (mb * fb - pid + programs - 1) // programs   # >= 1: programs <= blocks
+  cols = config.producer_cols
+  per_row = TILE // cols
+
+  def block_of(step):
+    b = pid + step * programs
+    return b // fb, b % fb
+
+  def scoped(union, s_smem, st_smem, bar):
+    inputs, fp8_view = union   # fp8 block 2i and 2i + 1 lie over bf16 block i
+    def load(step, stage):
+      mi, ki = block_of(step)
+      rows = pl.ds(pl.multiple_of(mi * TILE, TILE), TILE)
+      for i, (array, offset) in enumerate(sources):
+        start = pl.multiple_of((offset + ki) * TILE, TILE)
+        plgpu.copy_gmem_to_smem(in_gmem[array].at[rows, pl.ds(start, TILE)],
+                                inputs.at[stage * n_src + i], bar.at[stage * n_src + i])
+
+    load(0, 0)
+
+    def one_block(step, carry):
+      stage = step % 2
+
+      @pl.when(step + 1 < n_mine)
+      def _():
+        # The last block's stores read the stage about to be refilled (its staging).
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        load(step + 1, 1 - stage)
+
+      for i in range(n_src):
+        plgpu.barrier_wait(bar.at[stage * n_src + i])
+      bufs = [inputs.at[stage * n_src + i] for i in range(n_src)]
+
+      def produce(p, c):
+        h, c_ = p // per_row, p % per_row
+        piece = (pl.ds(pl.multiple_of(h * HALF, HALF), HALF),
+                 pl.ds(pl.multiple_of(c_ * cols, cols), cols))
+        xs = [plgpu.load(b.at[piece], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+              for b in bufs]
+        for b, y in zip(bufs, producer(*xs)):
+          b[piece] = y.astype(jnp.bfloat16)
+        return c
+
+      lax.fori_loop(0, 2 * per_row, produce, 0)
+      plgpu.commit_smem()
+      mi, ki = block_of(step)
+      rows = pl.ds(pl.multiple_of(mi * TILE, TILE), TILE)
+      last = 2 * (stage * n_src + n_src - 1)
+      q_smem, qt_smem = fp8_view.at[last], fp8_view.at[last + 1]
+
+      def quantize_output(j, c):
+        src = inputs.at[stage * n_src + j]
+        # The previous output's (or block's) TMA stores must have read the staging.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        quantize_block_tiles(src, q_smem, s_smem, transposed=False, fmt=fmt,
+                             scale_format=scale_format)
+        quantize_block_tiles(src, qt_smem, st_smem, transposed=True, fmt=fmt,
+                             scale_format=scale_format)
+        plgpu.commit_smem()
+        kb = j * fb + ki
+        out_cols = pl.ds(pl.multiple_of(kb * TILE, TILE), TILE)
+        plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, out_cols])
+        plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[pl.ds(kb, 1), rows])
+        plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[out_cols, rows])
+        plgpu.copy_smem_to_gmem(st_smem, st_gmem.at[pl.ds(mi, 1), out_cols])
+        if with_values:
+          plgpu.copy_smem_to_gmem(src, v_gmem[0].at[rows, out_cols])
+        return c
+
+      lax.fori_loop(0, n_out, quantize_output, 0)
+      return carry
+
+    lax.fori_loop(0, n_mine, one_block, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+  dtype = formats.get_format(fmt).dtype
+  pl.run_scoped(
+      scoped,
+      plgpu.RefUnion(
+          plgpu.SMEM((2 * n_src, TILE, TILE), jnp.bfloat16,
+                     transforms=smem_transforms(jnp.bfloat16)),
+          plgpu.SMEM((4 * n_src, TILE, TILE), dtype, transforms=smem_transforms(dtype))),
+      plgpu.SMEM((1, TILE), jnp.float32),
+      plgpu.SMEM((1, TILE), jnp.float32),
+      plgpu.Barrier(num_barriers=2 * n_src),
+  )
+
+
 def fused_kernel_name(producer: str, m: int, f: int) -> str:
   """The kernel's name in profiles, e.g. infir2_fused_quantize_swiglu_16384x8960."""
   return f"{FUSED_KERNEL_NAME}_{producer}_{m}x{f}"
@@ -237,11 +357,17 @@ def _fused_kernel(producer: str, in_shapes, sources, m: int, f: int, fmt, scale_
               jax.ShapeDtypeStruct((mb, width), jnp.float32))
   if with_values:
     out_type += (jax.ShapeDtypeStruct((m, width), jnp.bfloat16),)
-  body = functools.partial(_fused_body, producer=fn, sources=sources, n_arrays=len(in_shapes),
-                           n_out=n_out, fb=fb, fmt=fmt, scale_format=scale_format,
-                           with_values=with_values, config=config)
+  common = dict(producer=fn, sources=sources, n_arrays=len(in_shapes), n_out=n_out, fb=fb,
+                fmt=fmt, scale_format=scale_format, with_values=with_values, config=config)
+  if config.programs:
+    programs = min(config.programs, mb * fb)
+    body = functools.partial(_pipelined_body, mb=mb, programs=programs, **common)
+    grid, grid_names = (programs,), ("p",)
+  else:
+    body = functools.partial(_fused_body, **common)
+    grid, grid_names = (mb, fb), ("m", "k")
   return jax.jit(plgpu.kernel(
-      body, out_type=out_type, grid=(mb, fb), grid_names=("m", "k"),
+      body, out_type=out_type, grid=grid, grid_names=grid_names,
       kernel_name=fused_kernel_name(producer, m, f),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   ))
