@@ -1,6 +1,8 @@
 #!/bin/bash
 # Kernel GPU tests + GEMM and quantization benchmarks on one Hopper GPU; everything lands in $OUT.
-#   OUT=/tmp/out bash benchmarks/run_kernels_gpu.sh [all|tests|gemm|quantize|wgrad] [gemm deadline s] [models]
+#   OUT=/tmp/out bash benchmarks/run_kernels_gpu.sh [all|tests|gemm|quantize|wgrad|fusedpipe] [gemm deadline s] [models]
+# fusedpipe: the fused SwiGLU kernels' GPU test, then the persistent pipelined kernel
+# (FusedConfig.programs) against today's in fused_bwd_bisect.py and fused_quantize.py.
 # Seven files come back: env.txt gpu_tests.log gemm.log ptxas.txt gemm_h200.json quantize.log
 # quantize_h200.json. Each stage has its own time limit so one slow stage cannot eat the rest.
 set -o pipefail
@@ -34,4 +36,14 @@ fi
 if [[ $STAGE == all || $STAGE == quantize ]]; then
   timeout 100 python3 benchmarks/quantize.py --out "$OUT/quantize_h200.json" --deadline 55 2>&1 \
     | tee "$OUT/quantize.log"
+fi
+if [[ $STAGE == fusedpipe ]]; then  # session 21's persistent, pipelined fused kernels
+  timeout 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_kernels_gpu.py \
+    -k "fused_quantize_on_gpu" 2>&1 | grep -E "passed|failed|Error|differ" | tail -14 \
+    | tee "$OUT/gpu_tests.log"
+  timeout 150 python3 benchmarks/fused_bwd_bisect.py --out "$OUT/fused_bisect_h200.json" \
+    --variants=fwd,fwd_pipelined,bwd,bwd_pipelined,bwd_pipelined_264,copy2_3in,copy2_3in_pipelined \
+    2>&1 | grep -vE "^W0000|^I0000|^$" | tail -12
+  timeout 200 python3 benchmarks/fused_quantize.py --out "$OUT/fused_quantize_h200.json" 2>&1 \
+    | grep -vE "^W0000|^I0000|^$" | tail -8
 fi
