@@ -388,8 +388,9 @@ def _run(producer, arrays, sources, f, fmt, scale_format, interpret, with_values
   mp = -(-m // TILE) * TILE
   if mp != m:  # zero rows quantize to zero and are sliced off
     arrays = [jnp.pad(a, ((0, mp - m), (0, 0))) for a in arrays]
-  if len(sources) <= PRODUCERS[producer][1] and config.alias_outputs:
-    raise ValueError(f"{producer}: alias_outputs needs an input that dies with the producer")
+  if len(sources) <= PRODUCERS[producer][1] and (config.alias_outputs or config.programs):
+    raise ValueError(f"{producer}: alias_outputs and programs put the fp8 staging over an "
+                     "input that dies with the producer; this producer has none")
   kernel = _fused_kernel(producer, tuple(a.shape for a in arrays), sources, mp, f, fmt,
                          scale_format, interpret, with_values, config)
   q, s_KbxM, qt, st_MbxK, *values = kernel(*arrays)
