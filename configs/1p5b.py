@@ -59,6 +59,7 @@ def get_config(variant: str | None = None):
   if variant == "smoke":               # shapes of the real model, a few steps
     config.steps = 10
     config.seq_len = 1024
+    config.model.loss_chunk = 1024     # a chunk must divide the row
     config.batch_size = 2
     config.opt.warmup_steps = 2
     config.checkpoint.every_steps = 0

@@ -234,6 +234,11 @@ class TrainConfig:
     if self.batch_size % self.grad_accum_steps:
       raise ConfigError(f"batch_size={self.batch_size} is not divisible by "
                         f"grad_accum_steps={self.grad_accum_steps}")
+    if self.model.loss_chunk and self.seq_len % self.model.loss_chunk:
+      raise ConfigError(
+          f"model.loss_chunk={self.model.loss_chunk} must divide seq_len={self.seq_len} (the "
+          "LM head and loss run over seq_len / loss_chunk chunks of every row): set "
+          "model.loss_chunk to a divisor of seq_len, or 0 for the whole-row loss")
     if self.model.loss_fused and self.precision.quantize_lm_head:
       raise ConfigError("model.loss_fused computes a BF16 LM head; it cannot be combined with "
                         "precision.quantize_lm_head=True (set model.loss_fused=False)")

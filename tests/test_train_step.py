@@ -223,10 +223,11 @@ def test_fused_loss_needs_a_chunk_and_a_bf16_head():
   from infir2_jax.config import ConfigError, load_config  # pylint: disable=import-outside-toplevel
   with pytest.raises(ConfigError, match="loss_fused=True needs model.loss_chunk"):
     dataclasses.replace(TINY, loss_fused=True)
-  with pytest.raises(ConfigError, match="quantize_lm_head"):
-    load_config("configs/default.py", ["--config.model.loss_chunk=64",
-                                       "--config.model.loss_fused=True",
-                                       "--config.precision.quantize_lm_head=True"])
+  # (key=value overrides: a "--config." prefix is an unknown key whose error lists every
+  # valid key, quantize_lm_head included, which matched here before session 21)
+  with pytest.raises(ConfigError, match="loss_fused computes a BF16 LM head"):
+    load_config("configs/default.py", ["model.loss_chunk=64", "model.loss_fused=True",
+                                       "precision.quantize_lm_head=True"])
 
 
 def test_loss_chunk_must_divide_the_sequence():
@@ -236,6 +237,13 @@ def test_loss_chunk_must_divide_the_sequence():
     loss_sums(model, params, make_batch())
   with pytest.raises(ValueError, match="loss_chunk must be >= 0"):
     dataclasses.replace(TINY, loss_chunk=-1)
+  # ... and the config says so before anything is built; configs/1p5b.py chunks its loss
+  # by 2048 positions, so a shorter seq_len names the fix (its smoke variant makes it).
+  from infir2_jax.config import ConfigError, load_config  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ConfigError, match="loss_chunk=2048 must divide seq_len=1000"):
+    load_config("configs/1p5b.py", ["seq_len=1000"])
+  smoke = load_config("configs/1p5b.py:smoke")
+  assert smoke.seq_len % smoke.model.loss_chunk == 0 and smoke.model.loss_fused
 
 
 # --- warm-up that fits the run (issue 22 item 5) ---------------------------------------------
