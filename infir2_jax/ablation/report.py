@@ -144,8 +144,11 @@ def config_differences(runs: list[RunData]) -> list[str]:
   swept = {k for r in runs for k in r.swept}
   configs = [effective_config(r.config) for r in runs]
   keys = sorted({k for c in configs for k in c})
+  # A key dropped where it does not act is no difference (opt.moments_kernel where a moments
+  # sweep has float32 moments); a run without a config.json differs in every key.
+  values = lambda k: {repr(c.get(k)) for c in configs if k in c or not c}
   return [k for k in keys if k not in swept and not k.startswith(NEUTRAL_KEYS)
-          and len({repr(c.get(k)) for c in configs}) > 1]
+          and len(values(k)) > 1]
 
 
 def _split_by_config(runs: list[RunData]) -> list[RunData]:
