@@ -43,6 +43,8 @@ def load_config(path: str, *, tiny: bool, recipe: str, seq_len: int, batch_size:
     c.model.update(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=1,
                    num_heads=4, num_kv_heads=2, head_dim=128, attention="xla")
     c.precision.backend = "xla"
+    if c.model.loss_chunk:  # the chunked (fused) loss too, in chunks the tiny rows divide
+      c.model.loss_chunk = 64
   if num_layers:
     c.model.num_layers = num_layers
   c.precision.recipe = recipe
