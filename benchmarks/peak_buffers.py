@@ -85,6 +85,23 @@ def parse_live_range(text: str) -> dict:
           "by_owner": dict(sorted(by_owner.items(), key=lambda kv: -kv[1]))}
 
 
+_SLICE = re.compile(r"^\s*[\d.]+[KMG]iB\(\s*\d+%\);\s*([\d.]+)([KMG])iB;\s*\d+;\s*\d+;\s*(.+)$")
+_TOTAL = re.compile(r"^Total bytes: (\d+)")
+
+
+def parse_memory_usage(text: str, top: int = 12) -> dict:
+  """{total_bytes, slices: [(GiB, shapes)]} of XLA's memory-usage report: the allocation's
+  largest slices of memory, each with the shapes of the values that share it over the step
+  (what the allocation holds, where the live-range breakdown names owners at one point)."""
+  total = next((int(m.group(1)) for m in map(_TOTAL.match, text.splitlines()) if m), None)
+  if total is None:
+    raise ValueError("no 'Total bytes' line in the memory-usage report")
+  unit = {"K": 2**-20, "M": 2**-10, "G": 1.0}
+  slices = [(float(m.group(1)) * unit[m.group(2)], m.group(3).strip())
+            for m in map(_SLICE.match, text.splitlines()) if m]
+  return {"total_bytes": total, "slices": slices[:top]}
+
+
 def _child(config: str, label: str, seq_len: int, batch_size: int) -> dict:
   """One deviceless compile with the dump on (runs in its own process)."""
   import sharding_gpu  # benchmarks/
@@ -98,6 +115,11 @@ def _child(config: str, label: str, seq_len: int, batch_size: int) -> dict:
     raise SystemExit(f"no train-step live-range file in {dump}")
   with open(max(files, key=os.path.getsize)) as f:
     result["peak"] = parse_live_range(f.read())
+  reports = glob.glob(os.path.join(
+      dump, "*jit_train_step*gpu_after_optimizations-memory-usage-report.txt"))
+  if reports:
+    with open(max(reports, key=os.path.getsize)) as f:
+      result["allocation"] = parse_memory_usage(f.read())
   return result
 
 
@@ -135,6 +157,7 @@ def main(argv):
     else:
       r = json.loads(lines[-1][len("RESULT "):])
       out["rows"][label] = {"memory_analysis": r["memory_analysis"], "peak": r["peak"],
+                            "allocation": r.get("allocation"),
                             "compile_s": r["compile_s"], "how": r["how"]}
       gib = lambda b: b / 2**30
       mem = r["memory_analysis"]
@@ -147,6 +170,10 @@ def main(argv):
             f"{r['peak']['peak_instruction']}, by owner:", flush=True)
       for name, size in r["peak"]["by_owner"].items():
         print(f"    {gib(size):7.2f} GiB  {name}", flush=True)
+      if r.get("allocation"):
+        print("  the allocation's largest slices (the values that share each):", flush=True)
+        for size, shapes in r["allocation"]["slices"][:6]:
+          print(f"    {size:7.2f} GiB  {shapes[:140]}", flush=True)
     if args.out:
       with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -109,6 +109,28 @@ def test_peak_buffers_groups_the_peak_by_owner():
     peak_buffers.parse_live_range("HloLiveRange (max 3):\n")
 
 
+MEMORY_REPORT = """\
+Memory Space: default (color=0)
+Total bytes: 136769757522 (127.38GiB)
+  cumulative_size;       size;       offset; used_by_n_values; shapes_list
+  ------------------------------------------------------------
+   32.38GiB( 29%);   32.38GiB;            0;              173; f32[152064,3584], 5×bf16[28,16384,37888]
+   40.47GiB( 37%);    8.09GiB;  34762391552;                5; 5×f8e4m3fn[28,18944,16384]
+   90.04GiB( 81%);  784.00MiB;  82069946368;                5; 5×f32[28,64,28,4096]
+"""
+
+
+def test_peak_buffers_reads_the_allocations_slices():
+  import peak_buffers  # benchmarks/
+  report = peak_buffers.parse_memory_usage(MEMORY_REPORT)
+  assert report["total_bytes"] == 136769757522
+  assert report["slices"] == [(32.38, "f32[152064,3584], 5×bf16[28,16384,37888]"),
+                              (8.09, "5×f8e4m3fn[28,18944,16384]"),
+                              (784.0 / 1024, "5×f32[28,64,28,4096]")]
+  with pytest.raises(ValueError, match="Total bytes"):
+    peak_buffers.parse_memory_usage("Memory Space: default\n")
+
+
 def test_peak_buffers_names_unrolled_layers_activations():
   import peak_buffers
   assert peak_buffers.owner(
