@@ -184,25 +184,40 @@ def test_sharded_one_pass_update_matches_the_unsharded_reference_over_fsdp_8():
   assert_same_bits(results["reference"], jax.device_get((updates, opt_state)))
 
 
+SHARD_SPECS = {"rows": P("fsdp", None), "cols": P(None, "fsdp"), "bias": P()}
+
+
+def sharded_problem(seed):
+  """(mesh of 8 devices, rng, params) for the per-shard checks: params split 8 ways on their
+  first or their last axis (SHARD_SPECS; 32 lanes a device: finer than a group) and a padded
+  bias that every device holds whole."""
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  rng = np.random.default_rng(seed)
+  params = {"rows": rng.standard_normal((64, 256)).astype(np.float32),
+            "cols": rng.standard_normal((16, 256)).astype(np.float32),
+            "bias": rng.standard_normal((77,)).astype(np.float32)}
+  return mesh, rng, params
+
+
+def sharded_state(mesh, tx, params):
+  """(the params' shardings, tx's state shardings: sharded like the params, scalars whole)."""
+  shard = {k: NamedSharding(mesh, s) for k, s in SHARD_SPECS.items()}
+  return shard, optax.tree_map_params(tx, parallel.state.fit_sharding,
+                                      jax.eval_shape(tx.init, params), shard,
+                                      transform_non_params=lambda _: NamedSharding(mesh, P()))
+
+
 @pytest.mark.parametrize("kernel", ["pallas", "auto"])
 def test_pallas_update_runs_per_shard_with_the_reference_numbers_on_8_devices(kernel):
   """A cheap sharded check: params split 8 ways on their first or their last axis (32 lanes a
   device: finer than a group); the Pallas step runs on each device's rows (shard_map) and
   equals the unsharded reference bit for bit. With "auto" the Pallas branch (the one lowered
   for CUDA) is traced per device beside the jnp one that runs here."""
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-  specs = {"rows": P("fsdp", None), "cols": P(None, "fsdp"), "bias": P()}
-  rng = np.random.default_rng(2)
-  params = {"rows": rng.standard_normal((64, 256)).astype(np.float32),
-            "cols": rng.standard_normal((16, 256)).astype(np.float32),
-            "bias": rng.standard_normal((77,)).astype(np.float32)}
+  mesh, rng, params = sharded_problem(2)
   grads = [{k: hard_gradients(p.shape, rng) for k, p in params.items()} for _ in range(2)]
   want = run_steps("reference", params, grads)[-1]
   tx = fp8_adam.scale_by_adam_fp8(B1, B2, EPS, kernel=kernel)
-  shard = {k: NamedSharding(mesh, s) for k, s in specs.items()}
-  state_shardings = optax.tree_map_params(tx, parallel.state.fit_sharding,
-                                          jax.eval_shape(tx.init, params), shard,
-                                          transform_non_params=lambda _: NamedSharding(mesh, P()))
+  shard, state_shardings = sharded_state(mesh, tx, params)
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init, out_shardings=state_shardings)(params)
     update = jax.jit(tx.update, in_shardings=(shard, state_shardings, shard),
@@ -405,22 +420,14 @@ def test_fused_step_state_restores_across_paths():
 def test_fused_step_runs_per_shard_with_one_devices_numbers_on_8_devices(kernel):
   """Params split 8 ways (rows, or 32 lanes a device); the fused step's kernel runs on each
   device's rows (shard_map over the param too) and equals the unsharded fused step."""
-  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-  specs = {"rows": P("fsdp", None), "cols": P(None, "fsdp"), "bias": P()}
-  rng = np.random.default_rng(5)
-  params = {"rows": rng.standard_normal((64, 256)).astype(np.float32),
-            "cols": rng.standard_normal((16, 256)).astype(np.float32),
-            "bias": rng.standard_normal((77,)).astype(np.float32)}
+  mesh, rng, params = sharded_problem(5)
   sums = {k: (real_like_gradients(p.shape, rng) * 50).astype(jnp.bfloat16)
           for k, p in params.items()}
   opt_cfg = OptConfig(moments="fp8", moments_kernel=kernel, b1=B1, b2=B2, warmup_steps=1,
                       clip_norm=1.0, weight_decay=0.1)
   tx, apply = make_optimizer(opt_cfg, 10), optim.make_apply(opt_cfg, 10)
   want = jax.jit(apply)(sums, np.float32(50), tx.init(params), params)
-  shard = {k: NamedSharding(mesh, s) for k, s in specs.items()}
-  state_shardings = optax.tree_map_params(tx, parallel.state.fit_sharding,
-                                          jax.eval_shape(tx.init, params), shard,
-                                          transform_non_params=lambda _: NamedSharding(mesh, P()))
+  shard, state_shardings = sharded_state(mesh, tx, params)
   with jax.set_mesh(mesh):
     state = jax.jit(tx.init, out_shardings=state_shardings)(params)
     step = jax.jit(apply, in_shardings=(shard, None, state_shardings, shard),

@@ -370,6 +370,7 @@ def update_leaf(kernel: str, g, m_parts, v_parts, bcs, **hyper):
   return (from_rows(direction, shape), _parts_from_rows(new_m, shape),
           _parts_from_rows(new_v, shape))
 
+
 def apply_leaf(kernel: str, g_sum, p, m_parts, v_parts, scalars, *, max_norm, weight_decay,
                **hyper):
   """One param's fused step in param-shaped arrays: (new param, new m parts, new v parts).
@@ -409,12 +410,8 @@ def apply_jnp(g_sum, p, m_parts, v_parts, scalars: Scalars, *, max_norm, weight_
   shape = jnp.shape(p)
   direction, new_m, new_v = update_jnp(g_sum, m_parts, v_parts, (scalars.bc1, scalars.bc2),
                                        gradient=gradient, **hyper)
-  new_p = applied(p, moments._ungrouped(direction, shape),  # pylint: disable=protected-access
-                  scalars.lr, weight_decay=weight_decay)
-  group = moments.group_shape(shape)
-  back = lambda parts: (moments._ungrouped(parts[0], shape),  # pylint: disable=protected-access
-                        parts[1].reshape(group), parts[2].reshape(group))
-  return new_p, back(new_m), back(new_v)
+  new_p = applied(p, from_rows(direction, shape), scalars.lr, weight_decay=weight_decay)
+  return new_p, _parts_from_rows(new_m, shape), _parts_from_rows(new_v, shape)
 
 
 def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -447,7 +444,6 @@ def scale_by_adam_fp8(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
             moments.StoredAdamState(count_inc, parts(1), parts(2)))
 
   return optax.GradientTransformation(init_fn, update_fn)
-
 
 
 def apply_adamw(kernel: str, grad_sums, params, state: moments.StoredAdamState, *, denom,

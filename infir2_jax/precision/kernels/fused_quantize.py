@@ -131,6 +131,45 @@ def _half_width(gu):
   return gu.shape[1] // 2
 
 
+def _produce_piece(bufs, producer, h, c, cols: int):
+  """The producer on rows [64h, 64h + 64) x columns [c cols, (c + 1) cols) of its input
+  blocks (bf16 in shared memory), in float32; its bf16 outputs replace the first inputs."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  aligned = lambda i, n: i * n if isinstance(i, int) else pl.multiple_of(i * n, n)
+  piece = (pl.ds(aligned(h, HALF), HALF), pl.ds(aligned(c, cols), cols))
+  xs = [plgpu.load(b.at[piece], layout=plgpu.Layout.WGMMA).astype(jnp.float32) for b in bufs]
+  for b, y in zip(bufs, producer(*xs)):
+    b[piece] = y.astype(jnp.bfloat16)
+
+
+def _quantize_and_store(src, staging, outs, *, rows, mi, kb, fmt, scale_format, with_values):
+  """The bf16 block `src` (shared memory) as 1x128 tiles along K and along tokens, stored as
+  column block kb of token block mi (rows) of the outputs; with_values also stores src.
+
+  staging: (q, s, qT, sT) in shared memory; outs: (q, s, qT, sT[, values]) in global memory.
+  The stores are asynchronous (TMA): before the staging is written again, the previous
+  output's (or block's) stores must have read it, which is waited for here first.
+  """
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  q_smem, s_smem, qt_smem, st_smem = staging
+  q_gmem, s_gmem, qt_gmem, st_gmem, *v_gmem = outs
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  quantize_block_tiles(src, q_smem, s_smem, transposed=False, fmt=fmt,
+                       scale_format=scale_format)
+  quantize_block_tiles(src, qt_smem, st_smem, transposed=True, fmt=fmt,
+                       scale_format=scale_format)
+  plgpu.commit_smem()
+  cols = pl.ds(kb * TILE, TILE)
+  plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, cols])
+  plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[pl.ds(kb, 1), rows])
+  plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[cols, rows])
+  plgpu.copy_smem_to_gmem(st_smem, st_gmem.at[pl.ds(mi, 1), cols])
+  if with_values:
+    plgpu.copy_smem_to_gmem(src, v_gmem[0].at[rows, cols])
+
+
 def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format,
                 with_values, config: FusedConfig):
   """One CTA makes one 128x128 block of each of the producer's n_out outputs, quantized.
@@ -142,7 +181,7 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
-  in_gmem, (q_gmem, s_gmem, qt_gmem, st_gmem, *v_gmem) = refs[:n_arrays], refs[n_arrays:]
+  in_gmem, outs = refs[:n_arrays], refs[n_arrays:]
   mi, ki = lax.axis_index("m"), lax.axis_index("k")
   rows = pl.ds(mi * TILE, TILE)
   dtype = formats.get_format(fmt).dtype
@@ -169,13 +208,7 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
     cols = config.producer_cols
     per_row = TILE // cols
 
-    def produce(h, c):  # the producer; its bf16 outputs replace the first n_out inputs
-      aligned = lambda i, n: i * n if isinstance(i, int) else pl.multiple_of(i * n, n)
-      piece = (pl.ds(aligned(h, HALF), HALF), pl.ds(aligned(c, cols), cols))
-      xs = [plgpu.load(b.at[piece], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-            for b in bufs]
-      for b, y in zip(bufs, producer(*xs)):
-        b[piece] = y.astype(jnp.bfloat16)
+    produce = lambda h, c: _produce_piece(bufs, producer, h, c, cols)
 
     if looped:  # one copy of the producer's code, as of the quantization's
       lax.fori_loop(0, 2 * per_row,
@@ -187,21 +220,9 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
     plgpu.commit_smem()
 
     def quantize_output(j, src):
-      # The previous output's TMA stores must have read q_smem / qt_smem (none at j = 0).
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      quantize_block_tiles(src, q_smem, s_smem, transposed=False, fmt=fmt,
-                           scale_format=scale_format)
-      quantize_block_tiles(src, qt_smem, st_smem, transposed=True, fmt=fmt,
-                           scale_format=scale_format)
-      plgpu.commit_smem()
-      kb = j * fb + ki
-      cols = pl.ds(kb * TILE, TILE)
-      plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, cols])
-      plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[pl.ds(kb, 1), rows])
-      plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[cols, rows])
-      plgpu.copy_smem_to_gmem(st_smem, st_gmem.at[pl.ds(mi, 1), cols])
-      if with_values:
-        plgpu.copy_smem_to_gmem(src, v_gmem[0].at[rows, cols])
+      _quantize_and_store(src, (q_smem, s_smem, qt_smem, st_smem), outs, rows=rows, mi=mi,
+                          kb=j * fb + ki, fmt=fmt, scale_format=scale_format,
+                          with_values=with_values)
 
     if looped:
       lax.fori_loop(0, n_out, lambda j, carry: quantize_output(j, out_bufs.at[j]) or carry,
@@ -244,7 +265,7 @@ def _pipelined_body(*refs, producer, sources, n_arrays, n_out, fb, mb, programs,
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
-  in_gmem, (q_gmem, s_gmem, qt_gmem, st_gmem, *v_gmem) = refs[:n_arrays], refs[n_arrays:]
+  in_gmem, outs = refs[:n_arrays], refs[n_arrays:]
   n_src = len(sources)
   pid = lax.axis_index("p")
   n_mine = (mb * fb - pid + programs - 1) // programs   # >= 1: programs <= blocks
@@ -280,17 +301,8 @@ def _pipelined_body(*refs, producer, sources, n_arrays, n_out, fb, mb, programs,
         plgpu.barrier_wait(bar.at[stage * n_src + i])
       bufs = [inputs.at[stage * n_src + i] for i in range(n_src)]
 
-      def produce(p, c):
-        h, c_ = p // per_row, p % per_row
-        piece = (pl.ds(pl.multiple_of(h * HALF, HALF), HALF),
-                 pl.ds(pl.multiple_of(c_ * cols, cols), cols))
-        xs = [plgpu.load(b.at[piece], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-              for b in bufs]
-        for b, y in zip(bufs, producer(*xs)):
-          b[piece] = y.astype(jnp.bfloat16)
-        return c
-
-      lax.fori_loop(0, 2 * per_row, produce, 0)
+      lax.fori_loop(0, 2 * per_row, lambda p, carry: _produce_piece(
+          bufs, producer, p // per_row, p % per_row, cols) or carry, 0)
       plgpu.commit_smem()
       mi, ki = block_of(step)
       rows = pl.ds(pl.multiple_of(mi * TILE, TILE), TILE)
@@ -298,22 +310,9 @@ def _pipelined_body(*refs, producer, sources, n_arrays, n_out, fb, mb, programs,
       q_smem, qt_smem = fp8_view.at[last], fp8_view.at[last + 1]
 
       def quantize_output(j, c):
-        src = inputs.at[stage * n_src + j]
-        # The previous output's (or block's) TMA stores must have read the staging.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        quantize_block_tiles(src, q_smem, s_smem, transposed=False, fmt=fmt,
-                             scale_format=scale_format)
-        quantize_block_tiles(src, qt_smem, st_smem, transposed=True, fmt=fmt,
-                             scale_format=scale_format)
-        plgpu.commit_smem()
-        kb = j * fb + ki
-        out_cols = pl.ds(pl.multiple_of(kb * TILE, TILE), TILE)
-        plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, out_cols])
-        plgpu.copy_smem_to_gmem(s_smem, s_gmem.at[pl.ds(kb, 1), rows])
-        plgpu.copy_smem_to_gmem(qt_smem, qt_gmem.at[out_cols, rows])
-        plgpu.copy_smem_to_gmem(st_smem, st_gmem.at[pl.ds(mi, 1), out_cols])
-        if with_values:
-          plgpu.copy_smem_to_gmem(src, v_gmem[0].at[rows, out_cols])
+        _quantize_and_store(inputs.at[stage * n_src + j], (q_smem, s_smem, qt_smem, st_smem),
+                            outs, rows=rows, mi=mi, kb=j * fb + ki, fmt=fmt,
+                            scale_format=scale_format, with_values=with_values)
         return c
 
       lax.fori_loop(0, n_out, quantize_output, 0)
