@@ -32,8 +32,9 @@
 #        with it: the loss without float32 logits against the whole-row loss's time),
 #        7bfused (7B at 4 x 4096, document mask: bf16, infir2, infir2 without the fused backward),
 #        7b (7B at 4 x 4096, document mask, Adam's moments fp32 / fp8 / bf16),
-#        remat (1.5B at 2 x 8192, unrolled, the fused loss: bf16 and infir2 each with its usual
-#        remat and with none, the memory the fused loss freed spent on no recomputation),
+#        remat (1.5B at 2 x 8192, the fused loss: infir2 as configs/1p5b.py has it (scanned),
+#        then unrolled bf16 and infir2 each with its usual remat and with none, the memory
+#        the fused loss freed spent on no recomputation),
 #        7bspeed (7B at 4 x 4096: bf16 as configs/7b.py has it, infir2 unrolled with fp8
 #        moments, the fused loss and the fused FP8 AdamW step under save_dots and save_dots_fp8),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
@@ -179,7 +180,7 @@ elif [[ $STAGE == remat ]]; then
   # default since session 21) bf16 peaks at 46.6 GiB and :fast at 50.9, so keeping every
   # activation (remat none: no recomputed norms, SwiGLU, RoPE) may fit and be faster.
   timeout $((DEADLINE + 220)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
-    --recipes=bf16~model.scan_layers=False,bf16~model.scan_layers=False~model.remat=none,infir2~model.scan_layers=False~model.remat=save_dots_fp8,infir2~model.scan_layers=False~model.remat=none \
+    --recipes=infir2,bf16~model.scan_layers=False,bf16~model.scan_layers=False~model.remat=none,infir2~model.scan_layers=False~model.remat=save_dots_fp8,infir2~model.scan_layers=False~model.remat=none \
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
     --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
     | grep -vE "onstant.folding|slow_operation|^$" | tail -40
