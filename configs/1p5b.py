@@ -4,15 +4,22 @@
   python -m infir2_jax.train --config=configs/1p5b.py --config.mesh.tensor=2   # TP 2, as the paper
   python -m infir2_jax.train --config=configs/1p5b.py \
       --config.init.hf_checkpoint=/path/to/Qwen2.5-1.5B                       # from real weights
-  python -m infir2_jax.train --config=configs/1p5b.py:fast                    # the fastest step
   python -m infir2_jax.train --config=configs/1p5b.py:lean                    # the least memory
+  python -m infir2_jax.train --config=configs/1p5b.py:scanned                 # the fastest compile
 
-Variants: "smoke" (the real shapes, a few steps); "fast" (unrolled layers that keep the FP8
-residuals: on one H200 at 2 x 8192 infir2's step took 351.5 ms against 407 scanned, 0.921x
-bf16 unrolled, for 65.0 GiB peak instead of 60.2 and ~75 s of cold compile instead of ~44;
-benchmarks/results/train_step_h200_1p5b_s16_8k_unrolled.json); "lean" (fast, with Adam's
-moments in FP8: 42.4 GiB peak, 0.70x bf16's 60.2, in 333.9 ms a step, 1.016x fast's,
-session 21, benchmarks/results/train_step_h200_1p5b_s21_8k_fusedloss.json).
+The default is the fastest step measured: unrolled layers (each its own GEMM plan, no stacking
+copies) that keep the backward's FP8 operands (remat save_dots_fp8; for bf16 it is save_dots).
+On one H200 at 2 x 8192 with the fused loss, infir2's step took 337.6 ms / 50.9 GiB against
+398.9 ms / 48.7 GiB scanned with save_dots, in the same run (session 22,
+benchmarks/results/train_step_h200_1p5b_s22_8k_remat.json), for ~60 s of cold compile
+instead of ~37.
+
+Variants: "smoke" (the real shapes, a few steps); "lean" (Adam's moments in FP8: 42.4 GiB
+peak, 0.70x bf16's 60.2, in 333.9 ms a step, 1.016x the default's, session 21,
+benchmarks/results/train_step_h200_1p5b_s21_8k_fusedloss.json); "scanned" (one compiled layer
+body for all 28, save_dots: the old default, 1.18x the default's step time, 0.96x its peak,
+compiles ~1.6x faster); "fast" (the same as the default; it was the name of this
+configuration before it became the default, kept so that older commands still run).
 
 Every variant computes the LM head and loss 2048 tokens at a time as one custom derivative
 (model.loss_chunk, model.loss_fused; train/loss.py): no [tokens, vocab] float32 logits,
@@ -37,8 +44,8 @@ def get_config(variant: str | None = None):
   config.model.rms_norm_eps = 1e-6
   config.model.tie_embeddings = True
   config.model.attention = "auto"      # cuDNN flash attention on GPU
-  config.model.remat = "save_dots"
-  config.model.scan_layers = True      # one compiled layer: FP8 step compiles ~10x faster
+  config.model.remat = "save_dots_fp8"  # the backward's FP8 operands kept: no re-quantizing
+  config.model.scan_layers = False     # each layer its own GEMM plan, no stacking copies
   config.model.loss_chunk = 2048       # the LM head and loss 2048 tokens at a time, fused:
   config.model.loss_fused = True       # no float32 logits, -14 GiB, same time (session 21)
 
@@ -64,12 +71,12 @@ def get_config(variant: str | None = None):
     config.opt.warmup_steps = 2
     config.checkpoint.every_steps = 0
     config.eval.every_steps = 0
-  elif variant in ("fast", "lean"):
-    config.model.scan_layers = False       # no stacking copies; each layer its own GEMM plan
-    config.model.remat = "save_dots_fp8"   # keep the backward's FP8 operands: no re-quantizing
-    if variant == "lean":
-      config.opt.moments = "fp8"           # 2.1 bytes a param for Adam's moments, not 8
-  elif variant:
+  elif variant == "lean":
+    config.opt.moments = "fp8"             # 2.1 bytes a param for Adam's moments, not 8
+  elif variant == "scanned":
+    config.model.scan_layers = True        # one compiled layer body: the fastest compile
+    config.model.remat = "save_dots"
+  elif variant not in (None, "", "fast"):  # "fast": the default's name before it was default
     raise ConfigError(f"unknown variant {variant!r} of configs/1p5b.py; valid: 'smoke', "
-                      "'fast', 'lean'")
+                      "'lean', 'scanned', 'fast' (= the default)")
   return config

@@ -186,11 +186,16 @@ def test_fused_later_steps_are_no_further_from_the_reference_than_exact_math(fus
   movement over the steps."""
   params, _, want = fused_problem
   fast, exact = fused_fast[-1], fused_steps(fused_problem, False)[-1]
-  mean_error = lambda got: np.mean(np.concatenate(
-      [relative(np.asarray(got[0][k], np.float64) - params[k],
-                np.asarray(want[-1][0][k], np.float64) - params[k]).ravel() for k in params]))
+  # Summed over every element before dividing: per element, a movement the reference rounds
+  # to 0 made the relative difference 1e15 (session 22's run printed 8e15 for both).
+  moved = lambda p: {k: np.asarray(p[k], np.float64) - params[k] for k in params}
+  want_moved = moved(want[-1][0])
+  mean_error = lambda got: (
+      sum(np.abs(m - want_moved[k]).sum() for k, m in moved(got[0]).items())
+      / sum(np.abs(m).sum() for m in want_moved.values()))
   fast_error, exact_error = mean_error(fast), mean_error(exact)
-  print(f"fused step: mean relative difference of the params' movement after 3 steps: "
+  assert exact_error < 1e-2, exact_error     # both near the chain: a bound that can fail
+  print(f"fused step: relative L1 difference of the params' movement after 3 steps: "
         f"approximate math {fast_error:.3e}, exact math {exact_error:.3e}")
   assert fast_error <= 2 * exact_error + 1e-5, (fast_error, exact_error)
   counts = lambda state: [int(c) for c in jax.tree.leaves(state) if np.ndim(c) == 0
