@@ -172,12 +172,28 @@ def test_summarize_unstacks_scanned_layers_and_top_level_head():
   assert telemetry.finite_only({"a": float("inf"), "b": 1.0}) == {"b": 1.0}
 
 
+def test_summarize_reads_fp8_attention_stats_beside_the_projections():
+  """FP8 attention's [4, 3] leaf ("attention": q, k, p, v) becomes its own keys, scanned
+  layers unstacked, next to the projections' [2, 3] "fprop" leaves of the same tree."""
+  attn = np.arange(2 * 4 * 3, dtype=np.float32).reshape(2, 4, 3)
+  proj = np.zeros((2, 2, 3), np.float32)
+  tree = {"layers": {"self_attn": {"fp8_self_attn": {"attention": attn},
+                                   "q_proj": {"fp8_q_proj": {"fprop": proj}}}}}
+  m = telemetry.summarize(tree)
+  assert m["fp8/layers_1/self_attn/attention/p/flush_frac"] == attn[1, 2, 1]
+  assert m["fp8/layers_0/self_attn/attention/v/snr_db"] == attn[0, 3, 2]
+  assert m["fp8/worst/attention/p/max_flush_frac"] == attn[:, 2, 1].max()
+  assert m["fp8/layers_1/self_attn/q_proj/fprop/x/amax"] == 0
+  assert not any("attention" in k and "q_proj" in k for k in m)
+
+
 @pytest.mark.slow
-def test_real_model_smoke():
+@pytest.mark.parametrize("recipe", ["infir2", "infir2_fp8attn"])
+def test_real_model_smoke(recipe):
   model_lib = pytest.importorskip("infir2_jax.model")
   cfg = model_lib.ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                              num_layers=1, num_heads=2, num_kv_heads=1)
-  model = model_lib.Qwen2(cfg, make_dot_general_factory(PrecisionConfig(recipe="infir2"),
+                              num_layers=1, num_heads=2, num_kv_heads=1, attention="xla")
+  model = model_lib.Qwen2(cfg, make_dot_general_factory(PrecisionConfig(recipe=recipe),
                                                         telemetry=True))
   tokens = jnp.ones((2, 32), jnp.int32)
   shapes = jax.eval_shape(model.init, jax.random.key(0), tokens)   # no init compile
@@ -200,7 +216,14 @@ def test_real_model_smoke():
       "self_attn/q_proj", "self_attn/k_proj", "self_attn/v_proj", "self_attn/o_proj",
       "mlp/gate_proj", "mlp/up_proj", "mlp/down_proj")]
   for p in projs:
-    for role, ops in telemetry.ROLES.items():
-      for op in ops:
+    for role in ("fprop", "dgrad", "wgrad"):
+      for op in telemetry.ROLES[role]:
         assert np.isfinite(metrics[f"fp8/{p}/{role}/{op}/snr_db"]), (p, role, op)
   assert not any("lm_head" in k for k in metrics)  # the head stays bf16
+  attention = {k: v for k, v in metrics.items() if "/attention/" in k}
+  if recipe == "infir2":
+    assert not attention
+  else:   # FP8 attention's forward operands, with E4M3's SNR
+    for op in ("q", "k", "p", "v"):
+      assert metrics[f"fp8/layers_0/self_attn/attention/{op}/snr_db"] > 20, op
+      assert 0 <= metrics[f"fp8/layers_0/self_attn/attention/{op}/flush_frac"] < 0.5, op

@@ -22,7 +22,8 @@ from jax import lax
 from infir2_jax.model import packed_attention
 from infir2_jax.model.config import ModelConfig
 from infir2_jax.model.layers import (
-    DotGeneralFactory, Linear, apply_rope, default_dot_general_factory, rope_cos_sin)
+    DotGeneralFactory, Linear, apply_rope, default_dot_general_factory, module_path,
+    rope_cos_sin)
 from infir2_jax.precision.gemm import target_platform
 
 CACHE = "cache"
@@ -122,6 +123,10 @@ class Attention(nn.Module):
 
   def _train_attention(self, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL):
     document = self.config.attention_mask == "document"
+    fp8_attention = getattr(self.dot_general_factory, "attention", None)
+    attend = fp8_attention(module_path(self)) if fp8_attention is not None else None
+    if attend is not None:   # a recipe with FP8 attention (precision/fp8_attention.py)
+      return attend(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL if document else None)
     impl = implementation(self.config)
     if document and impl == "cudnn":
       q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, _ = shard_for_cudnn(

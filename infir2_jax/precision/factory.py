@@ -1,12 +1,14 @@
 """make_dot_general_factory: PrecisionConfig -> (projection path, axes) -> dot_general."""
 
+import functools
+
 from infir2_jax.precision.config import PrecisionConfig, resolve_recipe
-from infir2_jax.precision import fused_mlp
+from infir2_jax.precision import fp8_attention, fused_mlp
 from infir2_jax.precision.dot_general import make_dot_general
 from infir2_jax.precision.gemm import bf16_dot_general
 from infir2_jax.precision.per_shard import (
     MlpAxes, ProjectionAxes, per_shard, per_shard_mlp, shard_local)
-from infir2_jax.precision.telemetry import TelemetryDotGeneral, module_name
+from infir2_jax.precision.telemetry import TelemetryAttention, TelemetryDotGeneral, module_name
 
 
 def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
@@ -26,6 +28,11 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
     recipe that fused_mlp.supports, without telemetry, unless cfg.fused_mlp is False; None
     elsewhere (the model then
     composes the three projections' dot_generals).
+  - attention: factory.attention(path) -> the FP8 attention of the attention module at
+    `path` ("layers_0/self_attn") where its recipe has an `attention` spec
+    (fp8_attention.fp8_attention, called as attend(q, k, v, segment_ids or None); with
+    telemetry a TelemetryAttention Module that also sows its forward's statistics); None
+    elsewhere (the model's BF16 attention).
   """
   if not isinstance(cfg, PrecisionConfig):
     raise TypeError(f"make_dot_general_factory needs a PrecisionConfig, got {type(cfg).__name__}")
@@ -61,5 +68,14 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
       cache[key] = mlp if axes is None else per_shard_mlp(mlp, axes)
     return cache[key]
 
+  def attention(path: str):
+    spec = resolve_recipe(cfg, path).attention
+    if spec is None:
+      return None
+    if telemetry:
+      return TelemetryAttention(spec, name=module_name(path))
+    return functools.partial(fp8_attention.fp8_attention, spec=spec)
+
   factory.gated_mlp = gated_mlp
+  factory.attention = attention
   return factory

@@ -79,13 +79,32 @@ class GemmSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """How a recipe quantizes attention's forward GEMMs (QK^T, PV); the backward is BF16.
+
+  Attributes:
+    fmt: "e4m3" | "e5m2": the format of Q, K, P and V.
+    scale_format: "ue8m0" (power-of-two scales) | "fp32".
+  """
+  fmt: str = "e4m3"
+  scale_format: str = "ue8m0"
+
+  def __post_init__(self):
+    formats.get_format(self.fmt)
+    formats.check_scale_format(self.scale_format)
+
+
+@dataclasses.dataclass(frozen=True)
 class Recipe:
-  """A precision recipe: the three GEMMs of every linear layer it is applied to."""
+  """A precision recipe: the three GEMMs of every linear layer it is applied to, and
+  optionally attention's forward GEMMs (`attention`; None keeps attention in BF16, as the
+  paper does)."""
   name: str
   fprop: GemmSpec = GemmSpec()
   dgrad: GemmSpec = GemmSpec()
   wgrad: GemmSpec = GemmSpec()
   description: str = ""
+  attention: AttentionSpec | None = None
 
   @property
   def is_bf16(self) -> bool:
@@ -162,3 +181,7 @@ for _r in (
             "(isolates the wgrad dY underflow)"),
 ):
   register_recipe(_r)
+register_recipe(dataclasses.replace(
+    get_recipe("infir2"), name="infir2_fp8attn", attention=AttentionSpec(),
+    description="infir2 with attention's forward (QK^T, PV) in E4M3, 1x128 tiles, UE8M0; "
+    "its backward in bf16 (precision/fp8_attention.py; XLA only for now)"))

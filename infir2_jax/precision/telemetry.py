@@ -32,14 +32,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infir2_jax.precision import quant_error
+from infir2_jax.precision import fp8_attention, quant_error
 from infir2_jax.precision.dot_general import FPROP_STATS_SHAPE, SINK_SHAPE, quantized_dot_general
-from infir2_jax.precision.recipes import Recipe
+from infir2_jax.precision.recipes import AttentionSpec, Recipe
 
 STATS = "fp8_stats"
 SINKS = "fp8_sinks"
 MODULE_PREFIX = "fp8_"
-ROLES = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("x", "dy")}
+ROLES = {"fprop": ("x", "w"), "dgrad": ("dy", "w"), "wgrad": ("x", "dy"),
+         "attention": fp8_attention.OPERANDS}
+ATTENTION_STATS_SHAPE = (len(fp8_attention.OPERANDS), len(quant_error.STAT_NAMES))
 
 
 def module_name(path: str) -> str:
@@ -64,6 +66,20 @@ class TelemetryDotGeneral(nn.Module):
                                       telemetry=True, sink=sink)
     self.sow(STATS, "fprop", fstats, init_fn=lambda: None, reduce_fn=lambda _, new: new)
     return y
+
+
+class TelemetryAttention(nn.Module):
+  """fp8_attention.fp8_attention recording its forward's numerics: sows a [4, 3] array
+  ((q, k, p, v) x (amax, flush_frac, snr_db)) into STATS as "attention". Its backward is
+  BF16, so it has no sink."""
+  spec: AttentionSpec
+
+  def __call__(self, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL):
+    inputs = [jax.lax.stop_gradient(x) for x in (q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh)]
+    stats = fp8_attention.operand_stats(*inputs, segment_ids_BxL, self.spec)
+    self.sow(STATS, "attention", stats, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    return fp8_attention.fp8_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
+                                       self.spec)
 
 
 def init_sinks(model: nn.Module, *init_args, **init_kwargs):
@@ -97,9 +113,12 @@ def _projection_path(keys: tuple[str, ...]) -> str:
   return "/".join(parents)
 
 
-def _entries(tree, core_shape, roles):
-  """Yields (path, role, [.., 3] stats) for every stats leaf, unstacking scanned layers."""
+def _entries(tree, core_shape, roles, var):
+  """Yields (path, role, [.., 3] stats) for every stats leaf named `var`, unstacking
+  scanned layers."""
   for keys, value in _walk(tree):
+    if keys[-1] != var:
+      continue
     value = np.asarray(jax.device_get(value), np.float64)
     path = _projection_path(keys)
     lead = value.shape[:value.ndim - len(core_shape)]
@@ -122,7 +141,8 @@ def summarize(fprop_stats, sink_grads=None, *, prefix: str = "fp8",
   """Host-side flat metrics from the STATS collection and the sinks' gradients.
 
   Keys: f"{prefix}/{path}/{role}/{operand}/{stat}", e.g.
-  "fp8/layers_0/self_attn/q_proj/fprop/x/snr_db", "fp8/layers_0/mlp/down_proj/wgrad/dy/amax".
+  "fp8/layers_0/self_attn/q_proj/fprop/x/snr_db", "fp8/layers_0/mlp/down_proj/wgrad/dy/amax",
+  and for FP8 attention "fp8/layers_0/self_attn/attention/p/flush_frac".
   With worst=True also f"{prefix}/worst/{role}/{operand}/{min_snr_db|max_flush_frac|max_amax}"
   over all layers.
 
@@ -132,12 +152,13 @@ def summarize(fprop_stats, sink_grads=None, *, prefix: str = "fp8",
   """
   out: dict[str, float] = {}
   worst_acc: dict[tuple[str, str], list[np.ndarray]] = {}
-  sources = [(fprop_stats, FPROP_STATS_SHAPE, ("fprop",)),
-             (sink_grads, SINK_SHAPE, ("dgrad", "wgrad"))]
-  for tree, shape, roles in sources:
+  sources = [(fprop_stats, FPROP_STATS_SHAPE, ("fprop",), "fprop"),
+             (fprop_stats, ATTENTION_STATS_SHAPE, ("attention",), "attention"),
+             (sink_grads, SINK_SHAPE, ("dgrad", "wgrad"), "bwd")]
+  for tree, shape, roles, var in sources:
     if tree is None:
       continue
-    for path, role, v in _entries(tree, shape, roles):
+    for path, role, v in _entries(tree, shape, roles, var):
       for o, operand in enumerate(ROLES[role]):
         for s, stat in enumerate(quant_error.STAT_NAMES):
           out[f"{prefix}/{path}/{role}/{operand}/{stat}"] = float(v[o, s])
