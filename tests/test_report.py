@@ -155,6 +155,25 @@ def test_telemetry_table_averages_and_skips_inf(sweep_dir):
   assert ("layers_0/self_attn/q_proj", "fprop", "w", "snr_db") not in table["infir2"]
 
 
+def test_telemetry_of_fp8_attention_gets_its_own_columns():
+  """FP8 attention's keys (fp8/<layer>/self_attn/attention/<q|k|p|v>/<stat>) enter the
+  table and the markdown as "attention <operand>" columns after the GEMMs'."""
+  import types
+  record = {"step": 50, "fp8/layers_0/self_attn/attention/p/flush_frac": 0.6,
+            "fp8/layers_0/self_attn/attention/p/snr_db": 33.0,
+            "fp8/layers_1/self_attn/attention/p/flush_frac": 0.8,
+            "fp8/layers_1/self_attn/attention/p/snr_db": 34.0,
+            "fp8/layers_0/self_attn/q_proj/fprop/x/flush_frac": 0.01,
+            "fp8/layers_0/self_attn/q_proj/fprop/x/snr_db": 31.0}
+  run = types.SimpleNamespace(recipe="infir2_fp8attn", status="done", telemetry=[record])
+  table = plots.telemetry_table([run])
+  assert table["infir2_fp8attn"][("layers_1/self_attn", "attention", "p", "flush_frac")] == 0.8
+  markdown = plots.telemetry_markdown([run])
+  header = next(line for line in markdown.splitlines() if line.startswith("| recipe"))
+  assert header == "| recipe | fprop x | attention p |"
+  assert "| `infir2_fp8attn` | 31.0 dB / 1% | 33.0 dB / 80% |" in markdown
+
+
 def test_report_errors_name_the_problem(sweep_dir, tmp_path):
   runs = report.load_runs(sweep_dir)
   with pytest.raises(ValueError, match="reference recipe 'nope'"):

@@ -14,12 +14,13 @@ import numpy as np
 from infir2_jax.ablation import statistics
 
 _TELEMETRY_RE = re.compile(
-    r"^fp8/(?!worst/)(?P<path>.+)/(?P<gemm>fprop|dgrad|wgrad)/(?P<operand>x|w|dy)/"
-    r"(?P<stat>amax|flush_frac|snr_db)$")
+    r"^fp8/(?!worst/)(?P<path>.+)/(?P<gemm>fprop|dgrad|wgrad|attention)/"
+    r"(?P<operand>x|w|dy|q|k|p|v)/(?P<stat>amax|flush_frac|snr_db)$")
 _WORST_RE = re.compile(r"^fp8/worst/(?P<gemm>\w+)/(?P<operand>\w+)/(?P<stat>\w+)$")
 _PROJ_ORDER = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _ROLE_ORDER = [("fprop", "x"), ("fprop", "w"), ("dgrad", "dy"), ("dgrad", "w"),
-               ("wgrad", "x"), ("wgrad", "dy")]
+               ("wgrad", "x"), ("wgrad", "dy"),   # FP8 attention's forward operands:
+               ("attention", "q"), ("attention", "k"), ("attention", "p"), ("attention", "v")]
 
 
 def _pyplot():
@@ -192,7 +193,8 @@ def _path_key(path: str):
 
 
 def _short(path: str) -> str:
-  m = re.match(r"layers_(\d+)/.*?([a-z]+)_proj$", path)
+  m = re.match(r"layers_(\d+)/.*?([a-z]+)_proj$", path) or re.match(
+      r"layers_(\d+)/self_(attn)$", path)
   return f"L{m.group(1)} {m.group(2)}" if m else path
 
 
