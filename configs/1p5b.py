@@ -12,7 +12,10 @@ copies) that keep the backward's FP8 operands (remat save_dots_fp8; for bf16 it 
 On one H200 at 2 x 8192 with the fused loss, infir2's step took 337.6 ms / 50.9 GiB against
 398.9 ms / 48.7 GiB scanned with save_dots, in the same run (session 22,
 benchmarks/results/train_step_h200_1p5b_s22_8k_remat.json), for ~60 s of cold compile
-instead of ~37.
+instead of ~37. At this config's own batch (8 x 4096 tokens) the H200 compiler allocates
+88.8 GiB for it, 78.1 scanned, 78.5 for bf16 (deviceless; the GPU adds ~6 GiB;
+benchmarks/results/peak_buffers_1p5b_s22_default_8x4096.json): one H200 holds it, an 80-GB
+card needs the batch split over GPUs or gradient accumulation.
 
 Variants: "smoke" (the real shapes, a few steps); "lean" (Adam's moments in FP8: 42.4 GiB
 peak, 0.70x bf16's 60.2, in 333.9 ms a step, 1.016x the default's, session 21,
