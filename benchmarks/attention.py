@@ -9,7 +9,11 @@ it times jax.grad of sum(out * dy) (CUPTI kernel sums, median) for:
   causal    cuDNN causal over the whole row (attends across documents: the speed yardstick)
   packed_M  cuDNN's packed layout (segment lengths and offsets, at most M segments per row)
   fa3       FlashAttention-3 varlen (flash-attn3-jax), when it imports
+  mgpu_causal  JAX's own Mosaic GPU FlashAttention-3 (jax.experimental.pallas.ops.gpu.
+            attention_mgpu; causal over the whole row: it takes no segments), the kernel
+            issue 39's FP8 attention starts from; mgpu_full: the same without a mask
 and the largest |difference| of each output and input gradient from the dense path's.
+With --fwd_only, the forward alone is timed (issue 39's forward target: >= 1.5x BF16 cuDNN).
 """
 
 import argparse
@@ -41,12 +45,31 @@ def segment_layouts(rows: int, length: int, seed: int = 0) -> dict[str, np.ndarr
   return {k: v.astype(np.int32) for k, v in out.items()}
 
 
+def mgpu_causal(q, k, v, blocks: str, causal: bool = True):
+  """JAX's Mosaic GPU FlashAttention-3 forward (and backward), causal, GQA.
+
+  In float16: jax 0.11.2's kernel declares its shared-memory buffers float16 whatever the
+  inputs are, and bf16 inputs fail to lower ("src had type bfloat16 and dst had type
+  float16", deviceless H200 compile, session 22). Its causal mask refuses CUDA runtimes
+  12.8.0-12.9.0 (a ptxas miscompilation, its own check)."""
+  import jax.numpy as jnp
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+  block_q, block_kv, steps = map(int, blocks.split(","))
+  config = attention_mgpu.TuningConfig(block_q=block_q, block_kv=block_kv,
+                                       max_concurrent_steps=steps, causal=causal)
+  half = lambda x: x.astype(jnp.float16)
+  return attention_mgpu.attention(half(q), half(k), half(v), config).astype(q.dtype)
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--out", default="")
   p.add_argument("--shapes", default=",".join(SHAPES))
   p.add_argument("--max_segments", default="16,64")
   p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--fwd_only", action="store_true", help="time the forward pass alone")
+  p.add_argument("--mgpu_blocks", default="128,128,2",
+                 help="JAX Mosaic GPU attention's block_q,block_kv,max_concurrent_steps")
   args = p.parse_args()
   import jax
   import jax.numpy as jnp
@@ -82,27 +105,44 @@ def main():
           variants[f"packed_{m}"] = lambda q, k, v, s, m=m: pa.cudnn_packed(q, k, v, s, m)
       if have_fa3:
         variants["fa3"] = lambda q, k, v, s: pa.fa3_varlen(q, k, v, s)
+      variants["mgpu_causal"] = lambda q, k, v, s: mgpu_causal(q, k, v, args.mgpu_blocks)
+      # No mask at all (twice the causal FLOPs): the kernel's rate where its causal mask is
+      # refused (CUDA runtime 12.8.0-12.9.0; the deviceless wheels here report 12.9.0).
+      variants["mgpu_full"] = lambda q, k, v, s: mgpu_causal(q, k, v, args.mgpu_blocks, False)
       outs, case = {}, {"shape": shape_name, "layout": layout, "segments_per_row": counts}
       for name, fn in variants.items():
         def loss(q, k, v, fn=fn):
           out = fn(q, k, v, seg)
           return jnp.sum(out.astype(jnp.float32) * dy.astype(jnp.float32)), out
+        if args.fwd_only:
+          forward = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, seg))
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
         try:
-          (dq, dk, dv), out = grad(q, k, v)
-          ms = benchtools.device_ms(grad, (q, k, v), iters=args.iters)
+          if args.fwd_only:
+            out = forward(q, k, v)
+            dq = dk = dv = jnp.zeros((), jnp.float32)
+            ms = benchtools.device_ms(forward, (q, k, v), iters=args.iters)
+          else:
+            (dq, dk, dv), out = grad(q, k, v)
+            ms = benchtools.device_ms(grad, (q, k, v), iters=args.iters)
         except Exception as e:  # noqa: BLE001 - a candidate that fails is a result
           case[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
           print(shape_name, layout, name, "FAILED", case[name]["error"][:200], flush=True)
           continue
         outs[name] = (out, dq, dk, dv)
-        case[name] = {"ms": ms, "causal_equivalent_tflops": causal_flops / ms / 1e9}
+        flops = (causal_flops / 3.5 if args.fwd_only else causal_flops) * (
+            2 if name == "mgpu_full" else 1)
+        case[name] = {"ms": ms, "causal_equivalent_tflops": flops / ms / 1e9}
       ref = outs.get("dense")
       for name, got in outs.items():
-        if ref is not None and name != "causal":
+        if ref is not None and name not in ("causal", "mgpu_causal", "mgpu_full"):
           case[name]["max_abs_diff_vs_dense"] = {
               t: float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
               for t, a, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+      if "causal" in outs and "mgpu_causal" in outs:
+        case["mgpu_causal"]["max_abs_diff_vs_causal"] = {
+            t: float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
+            for t, a, r in zip(("out", "dq", "dk", "dv"), outs["mgpu_causal"], outs["causal"])}
       results["cases"].append(case)
       print(json.dumps({k: (v if not isinstance(v, dict) else
                             {kk: vv for kk, vv in v.items() if kk != "max_abs_diff_vs_dense"})
