@@ -184,3 +184,18 @@ def test_the_model_runs_fp8_attention_only_where_the_recipe_says():
   grads = jax.jit(jax.grad(loss))(params)
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
   assert float(jnp.abs(grads["layers_0"]["self_attn"]["q_proj"]["kernel"]).max()) > 0
+
+
+def test_long_rows_warn_that_the_scores_are_dense(caplog, monkeypatch):
+  """Above the threshold the (trace-time) warning names the dense scores and their size."""
+  from infir2_jax.precision import fp8_attention as module
+  monkeypatch.setattr(module, "DENSE_SCORES_WARN_BYTES", 1 << 20)   # 2 x 4 x 256^2 x 4 = 2 MiB
+  q, k, v, segments = make_inputs()
+  with caplog.at_level("WARNING"):
+    jax.eval_shape(lambda q, k, v: fp8_attention(q, k, v, segments, SPEC), q, k, v)
+  assert "dense scores" in caplog.text and "[2, 4, 256, 256]" in caplog.text
+  caplog.clear()
+  monkeypatch.setattr(module, "DENSE_SCORES_WARN_BYTES", 4 << 20)
+  with caplog.at_level("WARNING"):
+    jax.eval_shape(lambda q, k, v: fp8_attention(q, k, v, segments, SPEC), q, k, v)
+  assert "dense scores" not in caplog.text

@@ -31,6 +31,7 @@ the attention weights.
 """
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ from infir2_jax.precision.recipes import AttentionSpec
 
 _TILE = (1, 128)
 _HIGHEST = lax.Precision.HIGHEST
+DENSE_SCORES_WARN_BYTES = 4 << 30   # one layer's [B, H, L, L] float32 scores above this
 
 
 def allowed_keys(length: int, segment_ids_BxL: jax.Array | None) -> jax.Array:
@@ -69,6 +71,14 @@ def _forward(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL, spec: Attentio
     raise ValueError(f"FP8 attention: {heads} query heads are not a multiple of {kv_heads} "
                      "key/value heads")
   groups = heads // kv_heads
+  scores_bytes = 4 * batch * heads * length * length
+  if scores_bytes > DENSE_SCORES_WARN_BYTES:
+    logging.warning(
+        "FP8 attention runs on XLA with dense scores (no FP8 attention kernel yet): one "
+        "layer's [%d, %d, %d, %d] float32 scores take %.1f GiB, and the forward holds several "
+        "such arrays; at this sequence length use recipe infir2 (BF16 attention) for speed "
+        "and memory, or shorter rows to study FP8 attention's numerics", batch, heads,
+        length, length, scores_bytes / 2**30)
   q32, qq = _round_trip(q_BxLxHxDh, spec)
   k32, kq = _round_trip(k_BxLxKxDh, spec)
   q32 = q32.reshape(batch, length, kv_heads, groups, dh)
