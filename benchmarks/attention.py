@@ -61,6 +61,13 @@ def mgpu_causal(q, k, v, blocks: str, causal: bool = True):
   return attention_mgpu.attention(half(q), half(k), half(v), config).astype(q.dtype)
 
 
+def max_abs_diffs(got, want) -> dict[str, float]:
+  """Largest |difference| of out, dq, dk, dv (as float32) between two variants' results."""
+  import jax.numpy as jnp
+  return {t: float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
+          for t, a, r in zip(("out", "dq", "dk", "dv"), got, want)}
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--out", default="")
@@ -136,13 +143,10 @@ def main():
       ref = outs.get("dense")
       for name, got in outs.items():
         if ref is not None and name not in ("causal", "mgpu_causal", "mgpu_full"):
-          case[name]["max_abs_diff_vs_dense"] = {
-              t: float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
-              for t, a, r in zip(("out", "dq", "dk", "dv"), got, ref)}
+          case[name]["max_abs_diff_vs_dense"] = max_abs_diffs(got, ref)
       if "causal" in outs and "mgpu_causal" in outs:
-        case["mgpu_causal"]["max_abs_diff_vs_causal"] = {
-            t: float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
-            for t, a, r in zip(("out", "dq", "dk", "dv"), outs["mgpu_causal"], outs["causal"])}
+        case["mgpu_causal"]["max_abs_diff_vs_causal"] = max_abs_diffs(outs["mgpu_causal"],
+                                                                      outs["causal"])
       results["cases"].append(case)
       print(json.dumps({k: (v if not isinstance(v, dict) else
                             {kk: vv for kk, vv in v.items() if kk != "max_abs_diff_vs_dense"})

@@ -101,9 +101,8 @@ def _forward(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL, spec: Attentio
 
 def bf16_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL):
   """The unquantized attention (XLA): causal, within documents when segment ids are given."""
-  mask = None
-  if segment_ids_BxL is not None:
-    mask = (segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :])[:, None]
+  length = q_BxLxHxDh.shape[1]
+  mask = None if segment_ids_BxL is None else allowed_keys(length, segment_ids_BxL)[:, None]
   return jax.nn.dot_product_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=mask,
                                       is_causal=True)
 
@@ -144,37 +143,28 @@ def _fp8_attention_bwd(spec, residuals, g):
 fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)
 
 
-def _snr_db(x32, deq32):
-  signal = jnp.sum(jnp.square(x32))
-  noise = jnp.sum(jnp.square(x32 - deq32))
-  return 10.0 * jnp.log10(signal / jnp.maximum(noise, jnp.finfo(jnp.float32).tiny))
-
-
 def quantization_stats(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
                        spec: AttentionSpec) -> dict[str, jax.Array]:
   """What the FP8 forward's quantization loses, as float32 scalars.
 
   p_flush: the share of the attended probabilities P~ (allowed, normal in float32) whose
-  FP8 code is zero (they vanish from PV); p_flush_mass: the share of P~'s sum they held. p_snr_db, q_snr_db, k_snr_db, v_snr_db: signal-to-noise ratio
-  of each quantized operand, 10 log10(sum x^2 / sum (x - deq(x))^2). out_rel_err: the
-  relative L2 distance of the FP8 forward's output from the unquantized attention's (both
+  FP8 code is zero (they vanish from PV); p_flush_mass: the share of P~'s sum they held.
+  p_snr_db, q_snr_db, k_snr_db, v_snr_db: each quantized operand's signal-to-noise ratio
+  (quant_error.operand_stats). out_rel_err: the relative L2 distance of the FP8 forward's output from the unquantized attention's (both
   in float32).
   """
   f32 = lambda x: x.astype(jnp.float32)
   out, operands, allowed = _forward(f32(q_BxLxHxDh), f32(k_BxLxKxDh), f32(v_BxLxKxDh),
                                     segment_ids_BxL, spec)
   p, pq = operands["p"]
-  p32, p8 = pq.dequantize(jnp.float32), pq.q
   # Attended: a normal float32 probability (exp underflows below ~e^-87 differently on
   # each backend, and the quantizer flushes subnormals anyway).
   attended = allowed & (p >= jnp.finfo(jnp.float32).tiny)
-  flushed = attended & (p8.astype(jnp.float32) == 0)
+  flushed = attended & (pq.q.astype(jnp.float32) == 0)
   stats = {"p_flush": jnp.sum(flushed) / jnp.maximum(jnp.sum(attended), 1),
-           "p_flush_mass": jnp.sum(jnp.where(flushed, p, 0.0)) / jnp.sum(p),
-           "p_snr_db": _snr_db(p, p32)}
-  for name in ("q", "k", "v"):
-    x, xq = operands[name]
-    stats[f"{name}_snr_db"] = _snr_db(x, xq.dequantize(jnp.float32))
+           "p_flush_mass": jnp.sum(jnp.where(flushed, p, 0.0)) / jnp.sum(p)}
+  for name in OPERANDS:
+    stats[f"{name}_snr_db"] = quant_error.operand_stats(*operands[name])[2]
   want = bf16_attention(f32(q_BxLxHxDh), f32(k_BxLxKxDh), f32(v_BxLxKxDh), segment_ids_BxL)
   stats["out_rel_err"] = jnp.linalg.norm(out - want) / jnp.linalg.norm(want)
   return stats
