@@ -1,9 +1,11 @@
 #!/bin/bash
 # Kernel GPU tests + GEMM and quantization benchmarks on one Hopper GPU; everything lands in $OUT.
-#   OUT=/tmp/out bash benchmarks/run_kernels_gpu.sh [all|tests|gemm|quantize|wgrad|fusedpipe|attn] [gemm deadline s] [models]
+#   OUT=/tmp/out bash benchmarks/run_kernels_gpu.sh [all|tests|gemm|quantize|wgrad|fusedpipe|attn|triton] [gemm deadline s] [models]
 # attn: issue 39's yardsticks at 1.5B / 2 x 8192 (benchmarks/attention.py): cuDNN dense,
 # causal and packed, JAX's Mosaic GPU FlashAttention-3 (causal and unmasked), fwd+bwd and
 # the forward alone.
+# triton: issue 33's design 2, the quantizers as Pallas Triton kernels against the Mosaic GPU
+# kernels and XLA at the 1.5B's and 7B's shapes (benchmarks/quantize_backends.py), with checks.
 # fusedpipe: the fused SwiGLU kernels' GPU test, then the persistent pipelined kernel
 # (FusedConfig.programs) against today's in fused_bwd_bisect.py and fused_quantize.py.
 # Seven files come back: env.txt gpu_tests.log gemm.log ptxas.txt gemm_h200.json quantize.log
@@ -49,6 +51,10 @@ if [[ $STAGE == fusedpipe ]]; then  # session 21's persistent, pipelined fused k
     2>&1 | grep -vE "^W0000|^I0000|^$" | tail -12
   timeout 200 python3 benchmarks/fused_quantize.py --out "$OUT/fused_quantize_h200.json" 2>&1 \
     | grep -vE "^W0000|^I0000|^$" | tail -8
+fi
+if [[ $STAGE == triton ]]; then  # issue 33: Mosaic vs Triton (8/16/32 warps) vs XLA quantizers
+  timeout 200 python3 benchmarks/quantize_backends.py --out "$OUT/quantize_backends_h200.json" \
+    2>&1 | grep -vE "^W0000|^I0000|^$" | tee "$OUT/quantize_backends.log" | tail -12
 fi
 if [[ $STAGE == attn ]]; then  # issue 39: the BF16 kernels the FP8 attention must beat
   timeout 200 python3 benchmarks/attention.py --shapes=1p5b_8k --out "$OUT/attention_h200.json" \

@@ -48,9 +48,9 @@ class TritonConfig:
   Attributes:
     num_warps: warps per program (one 128x128 block). The default is picked from
       deviceless ptxas for sm_90a, not from timings (benchmarks/results/
-      quantize_triton_deviceless_s23.json, registers at 4 / 8 / 16 / 32 warps): quantize
-      255 (spills) / 128 / 76 / 59, swiglu 255 (spills) / 190 / 80 / 63, swiglu_bwd 255
-      (spills) / 255 (spills) / 128 / 64. At 32 warps each kernel fits 32 warps per SM and
+      quantize_triton_deviceless_s23.json, registers at 8 / 16 / 32 warps): quantize
+      128 / 76 / 59, swiglu 190 / 80 / 63, swiglu_bwd 255 (84 bytes spilled) / 128 / 64
+      (4 bytes spilled). At 32 warps each kernel fits 32 warps per SM and
       has the fewest SASS instructions (2,952 / 3,344 / 6,488: under the ~6,700 past which
       session 18's kernel left the instruction cache; bwd at 16 warps has 8,200).
       benchmarks/quantize_backends.py times 8, 16 and 32 on the GPU.
