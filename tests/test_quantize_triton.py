@@ -129,3 +129,50 @@ def test_triton_quantizers_lower_for_hopper(name, shapes):
   producer = "quantize" if name == "quantize_t" else name
   width = 1664 if name == "quantize_t" else shapes[-1][1] // 2
   assert qt.kernel_name(producer, 1024, width) in text
+
+
+# --- Opt-in wiring: precision.quantize_backend ---
+
+def test_quantize_backend_config_is_validated_and_reaches_the_mlp():
+  from infir2_jax.errors import ConfigError
+  from infir2_jax.precision import PrecisionConfig
+  from infir2_jax.precision import fused_mlp
+  assert PrecisionConfig().quantize_backend == "mosaic"
+  with pytest.raises(ConfigError, match="quantize_backend"):
+    PrecisionConfig(quantize_backend="cuda")
+  with pytest.raises(ValueError, match="quantize_backend"):
+    fused_mlp.make_gated_mlp("infir2", quantize_backend="cuda")
+  assert fused_mlp.fused_quantizers(kernels, "mosaic") == (
+      kernels.swiglu_quantize, kernels.swiglu_bwd_quantize)
+  assert fused_mlp.fused_quantizers(kernels, "triton") == (
+      qt.swiglu_quantize_triton, qt.swiglu_bwd_quantize_triton)
+
+
+def test_triton_quantize_backend_gives_the_same_loss_and_grads(monkeypatch):
+  """The fused MLP with quantize_backend="triton", its SwiGLU quantizers made to run (the
+  Triton kernels, interpreted on the CPU), against the default path (XLA on the CPU): the
+  same loss and gradients, bit for bit."""
+  from infir2_jax.precision import fused_mlp
+  from infir2_jax.precision.factory import make_dot_general_factory
+  from infir2_jax.precision import PrecisionConfig
+  r = np.random.default_rng(0)
+  x = jnp.asarray(r.standard_normal((136, 128)), jnp.bfloat16)
+  w = [jnp.asarray(r.standard_normal(s) * 0.1, jnp.bfloat16)
+       for s in ((128, 256), (128, 256), (256, 128))]
+
+  def loss_and_grads(quantize_backend):
+    mlp = make_dot_general_factory(PrecisionConfig(
+        recipe="infir2", quantize_backend=quantize_backend)).gated_mlp("layers_0/mlp")
+    loss = lambda x, *w: jnp.mean(mlp(x, *w).astype(jnp.float32) ** 2)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, *w)
+
+  reference = loss_and_grads("mosaic")
+  calls = []
+  real = fused_mlp.fused_quantizers
+  monkeypatch.setattr(fused_mlp, "quantizer_kernels", lambda *a, **k: kernels)  # "on Hopper"
+  monkeypatch.setattr(fused_mlp, "fused_quantizers",
+                      lambda k, b: calls.append(b) or real(k, b))
+  triton = loss_and_grads("triton")
+  assert calls == ["triton", "triton"]   # the forward's and the backward's quantizer
+  for a, b in zip(jax.tree.leaves(triton), jax.tree.leaves(reference)):
+    assert cpu._bit_equal(a, b)

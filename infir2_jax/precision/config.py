@@ -7,6 +7,8 @@ from infir2_jax.errors import ConfigError
 from infir2_jax.precision import gemm
 from infir2_jax.precision.recipes import Recipe, get_recipe, recipe_names
 
+QUANTIZE_BACKENDS = ("mosaic", "triton")   # valid precision.quantize_backend values
+
 # Paths that are embeddings or the LM head: BF16 unless quantize_lm_head (the paper's choice).
 HEAD_PATH_RE = re.compile(r"(^|/)(lm_head|embed_tokens)(/|$)")
 
@@ -52,6 +54,11 @@ class PrecisionConfig:
       may differ from XLA's in the last bit of exp/division in a few per million. On the
       H200 575 us against 710 at 1.5B/16k tokens, 0.983x the step (session 18); False
       gives back the XLA form.
+    quantize_backend: which kernels make the fused MLP's SwiGLU quantizations on Hopper:
+      "mosaic" (kernels/fused_quantize.py, Mosaic GPU) or "triton" (kernels/
+      quantize_triton.py, Pallas Triton, issue 33's design 2; bit-identical quantization,
+      the same last-bit caveat on the producers). Opt-in for a step comparison; the other
+      quantizers (x, dy, weights) stay Mosaic GPU. Elsewhere XLA runs either way.
   """
   recipe: str = "bf16"
   overrides: tuple[str, ...] = ()
@@ -60,6 +67,7 @@ class PrecisionConfig:
   quantize_lm_head: bool = False
   fused_mlp: bool = True
   fused_mlp_backward: bool = True
+  quantize_backend: str = "mosaic"
 
   def __post_init__(self):
     if isinstance(self.overrides, str):
@@ -71,6 +79,9 @@ class PrecisionConfig:
     for override in self.overrides:
       parse_override(override)
     gemm.check_backend(self.backend)
+    if self.quantize_backend not in QUANTIZE_BACKENDS:
+      raise ConfigError(f"precision.quantize_backend={self.quantize_backend!r}; valid: "
+                        f"{list(QUANTIZE_BACKENDS)}")
     if not isinstance(self.telemetry_every_steps, int) or self.telemetry_every_steps < 0:
       raise ConfigError(f"precision.telemetry_every_steps={self.telemetry_every_steps!r}: must "
                         "be an int >= 0 (0 = off)")

@@ -64,7 +64,8 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
     key = ("mlp", recipe.name, axes)
     if key not in cache:
       mlp = fused_mlp.make_gated_mlp(recipe, backend=cfg.backend,
-                                     fused_backward=cfg.fused_mlp_backward)
+                                     fused_backward=cfg.fused_mlp_backward,
+                                     quantize_backend=cfg.quantize_backend)
       cache[key] = mlp if axes is None else per_shard_mlp(mlp, axes)
     return cache[key]
 

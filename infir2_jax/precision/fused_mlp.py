@@ -91,6 +91,7 @@ class _MlpPlan:
   gemm: GemmPlan   # dtypes: activations and weights in the compute dtype
   fast_accum: tuple[bool, bool, bool]
   fused_backward: bool = False
+  quantize_backend: str = "mosaic"   # the SwiGLU quantizers' kernels (fused_quantizers)
 
 
 def _tiles(out, spec, spec_t) -> tuple[QTensor, QTensor]:
@@ -100,12 +101,23 @@ def _tiles(out, spec, spec_t) -> tuple[QTensor, QTensor]:
           QTensor(qt, st, resolve_tile(spec_t.tile, qt.shape), spec_t.scale_format))
 
 
-def _swiglu_tiles(gp: GemmPlan, gu, spec, spec_t):
+def fused_quantizers(kernels, quantize_backend: str):
+  """(swiglu_quantize, swiglu_bwd_quantize) of precision.quantize_backend: the Mosaic GPU
+  kernels of the `kernels` module, or their Pallas Triton twins (kernels/quantize_triton.py)."""
+  if quantize_backend == "triton":
+    from infir2_jax.precision.kernels import quantize_triton
+    return quantize_triton.swiglu_quantize_triton, quantize_triton.swiglu_bwd_quantize_triton
+  return kernels.swiglu_quantize, kernels.swiglu_bwd_quantize
+
+
+def _swiglu_tiles(plan: _MlpPlan, gu, spec, spec_t):
   """(h per spec, h^T per spec_t) of h = swiglu(gu); fused on Hopper."""
+  gp = plan.gemm
   kernels = quantizer_kernels(gp, gu, spec, spec_t, tile=(1, TILE))
   if kernels is None:
     return quantize_rows(gp, fused_quantize.swiglu_reference(gu), spec, spec_t)
-  return _tiles(kernels.swiglu_quantize(gu, fmt=spec.fmt, scale_format=spec.scale_format),
+  swiglu_quantize = fused_quantizers(kernels, plan.quantize_backend)[0]
+  return _tiles(swiglu_quantize(gu, fmt=spec.fmt, scale_format=spec.scale_format),
                 spec, spec_t)
 
 
@@ -116,7 +128,8 @@ def _swiglu_bwd_tiles(plan: _MlpPlan, dh, gu, spec, spec_t):
   kernels = quantizer_kernels(gp, dh, spec, spec_t, tile=(1, TILE))
   if kernels is None or gu.dtype != dh.dtype or not plan.fused_backward:
     return quantize_rows(gp, fused_quantize.swiglu_bwd_reference(dh, gu), spec, spec_t)
-  return _tiles(kernels.swiglu_bwd_quantize(dh, gu, fmt=spec.fmt, scale_format=spec.scale_format),
+  swiglu_bwd_quantize = fused_quantizers(kernels, plan.quantize_backend)[1]
+  return _tiles(swiglu_bwd_quantize(dh, gu, fmt=spec.fmt, scale_format=spec.scale_format),
                 spec, spec_t)
 
 
@@ -134,7 +147,7 @@ def _forward(plan: _MlpPlan, x_MxD, wg_DxF, wu_DxF, wd_FxD):
                                               r.fprop.rhs, r.dgrad.rhs)
     gu_Mx2F = _matmul(plan, 0, xq, wgu_2FxD, dtype, isolate_kernel_output=True)
     gu_Mx2F = checkpoint_name(gu_Mx2F, FP8_GEMM_OUT)
-    hq, ht_FxM = _swiglu_tiles(gp, gu_Mx2F, r.fprop.lhs, r.wgrad.lhs)
+    hq, ht_FxM = _swiglu_tiles(plan, gu_Mx2F, r.fprop.lhs, r.wgrad.lhs)
     wd_DxF, wd_FxD = quantize_weight_both(gp, wd_FxD, r.fprop.rhs, r.dgrad.rhs)
     y_MxD = _matmul(plan, 0, hq, wd_DxF, dtype, isolate_kernel_output=True)
   return y_MxD, (xt_DxM, gu_Mx2F, ht_FxM, wgu_Dx2F, wd_FxD)
@@ -190,11 +203,14 @@ def _composed(recipe: Recipe, backend: str):
 
 
 def make_gated_mlp(recipe: "Recipe | str", *, backend: str = "auto",
-                   fused_backward: bool = False):
+                   fused_backward: bool = False, quantize_backend: str = "mosaic"):
   """mlp(x [..., D], w_gate [D, F], w_up [D, F], w_down [F, D]) -> y [..., D] of `recipe`
   (one that `supports`), all in the compute dtype; F not a multiple of 128 runs the
   composition of three products instead. fused_backward: SwiGLU's backward and dgu's
-  quantization as one kernel on Hopper (precision.fused_mlp_backward)."""
+  quantization as one kernel on Hopper (precision.fused_mlp_backward). quantize_backend:
+  "mosaic" or "triton", the kernels of the SwiGLU quantizers (precision.quantize_backend)."""
+  if quantize_backend not in ("mosaic", "triton"):
+    raise ValueError(f"quantize_backend={quantize_backend!r}: 'mosaic' or 'triton'")
   recipe = get_recipe(recipe)
   if not supports(recipe):
     raise ValueError(f"recipe {recipe.name!r} has no fused MLP (needs 1x128 tiles for every "
@@ -209,7 +225,8 @@ def make_gated_mlp(recipe: "Recipe | str", *, backend: str = "auto",
       return composed(x, wg_DxF, wu_DxF, wd_FxD)
     dtype = np.dtype(jnp.result_type(x.dtype, wg_DxF.dtype))
     plan = _MlpPlan(GemmPlan(recipe, backend, dtype, np.dtype(x.dtype), np.dtype(wg_DxF.dtype),
-                             dtype, False, False), fast_accum, fused_backward)
+                             dtype, False, False), fast_accum, fused_backward,
+                    quantize_backend)
     return _fused_mlp(plan, x.reshape(-1, d), wg_DxF, wu_DxF, wd_FxD).reshape(*lead, d)
 
   mlp.recipe = recipe
