@@ -12,11 +12,18 @@ it times jax.grad of sum(out * dy) (CUPTI kernel sums, median) for:
   mgpu_causal  JAX's own Mosaic GPU FlashAttention-3 (jax.experimental.pallas.ops.gpu.
             attention_mgpu; causal over the whole row: it takes no segments), the kernel
             issue 39's FP8 attention starts from; mgpu_full: the same without a mask
-and the largest |difference| of each output and input gradient from the dense path's.
+  fp8       our FP8 forward kernel (precision/kernels/fp8_attention.py: Q, K, P, V in E4M3
+            with 1x128 UE8M0 tiles, documents as block-skipping + masks), its quantization
+            pre-pass included; without --fwd_only its backward is cuDNN packed's BF16
+            backward through jax.vjp, which recomputes cuDNN's forward first (so fwd+bwd
+            over-counts by one BF16 forward until the kernel hands cuDNN its statistics)
+and the largest |difference| of each output and input gradient from the dense path's; for
+fp8 also its output's largest |difference| from its online reference (XLA on the same GPU).
 With --fwd_only, the forward alone is timed (issue 39's forward target: >= 1.5x BF16 cuDNN).
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -59,6 +66,27 @@ def mgpu_causal(q, k, v, blocks: str, causal: bool = True):
                                        max_concurrent_steps=steps, causal=causal)
   half = lambda x: x.astype(jnp.float16)
   return attention_mgpu.attention(half(q), half(k), half(v), config).astype(q.dtype)
+
+
+def fp8_forward_packed_backward(q, k, v, segment_ids, max_segments: int):
+  """Our FP8 forward kernel, with cuDNN packed's BF16 backward (its jax.vjp recomputes the
+  BF16 forward: see the module doc)."""
+  import jax
+  from infir2_jax.model import packed_attention as pa
+  from infir2_jax.precision.kernels import fp8_attention as fp8_kernel
+
+  @jax.custom_vjp
+  def attend(q, k, v):
+    return fp8_kernel.fp8_attention_forward(q, k, v, segment_ids)
+
+  def fwd(q, k, v):
+    return attend(q, k, v), (q, k, v)
+
+  def bwd(res, g):
+    _, vjp = jax.vjp(lambda q, k, v: pa.cudnn_packed(q, k, v, segment_ids, max_segments), *res)
+    return vjp(g)
+  attend.defvjp(fwd, bwd)
+  return attend(q, k, v)
 
 
 def max_abs_diffs(got, want) -> dict[str, float]:
@@ -116,6 +144,10 @@ def main():
       # No mask at all (twice the causal FLOPs): the kernel's rate where its causal mask is
       # refused (CUDA runtime 12.8.0-12.9.0; the deviceless wheels here report 12.9.0).
       variants["mgpu_full"] = lambda q, k, v, s: mgpu_causal(q, k, v, args.mgpu_blocks, False)
+      packed_m = next((m for m in map(int, args.max_segments.split(",")) if max(counts) <= m),
+                      None)
+      if packed_m is not None:
+        variants["fp8"] = functools.partial(fp8_forward_packed_backward, max_segments=packed_m)
       outs, case = {}, {"shape": shape_name, "layout": layout, "segments_per_row": counts}
       for name, fn in variants.items():
         def loss(q, k, v, fn=fn):
@@ -144,6 +176,12 @@ def main():
       for name, got in outs.items():
         if ref is not None and name not in ("causal", "mgpu_causal", "mgpu_full"):
           case[name]["max_abs_diff_vs_dense"] = max_abs_diffs(got, ref)
+      if "fp8" in outs:
+        from infir2_jax.precision.kernels import fp8_attention as fp8_kernel
+        want = jax.jit(fp8_kernel.online_reference)(q, k, v, seg)
+        case["fp8"]["max_abs_diff_vs_online_reference"] = float(
+            jnp.max(jnp.abs(outs["fp8"][0].astype(jnp.float32) - want.astype(jnp.float32))))
+        case["fp8"]["max_abs_out"] = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
       if "causal" in outs and "mgpu_causal" in outs:
         case["mgpu_causal"]["max_abs_diff_vs_causal"] = max_abs_diffs(outs["mgpu_causal"],
                                                                       outs["causal"])

@@ -20,9 +20,10 @@ scaling of P~ makes P8 independent of which power of two P~ is measured against,
 one-pass kernel (online softmax: P~ against a running max) differs from this reference only
 where its running max is not the final one by a power of two.
 
-This module is the reference a Pallas kernel will be tested against and the path the CPU
-sweep runs (dense [B, K, G, L, L] float32 scores: memory grows with L^2; a GPU kernel is
-the next step). `quantization_stats` measures what the forward's quantization loses.
+This module is the reference the Pallas kernel (precision/kernels/fp8_attention.py, the
+forward on Hopper) is tested against and the path the CPU sweep runs (dense [B, K, G, L, L]
+float32 scores: memory grows with L^2). `quantization_stats` measures what the forward's
+quantization loses (always on this XLA forward).
 
 V's tiles run along the tokens, so a tile that spans a document boundary gives the tokens
 of both documents one scale: a document's output depends on its neighbour's values through
@@ -31,12 +32,14 @@ the attention weights.
 """
 
 import functools
+import importlib
 import logging
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from infir2_jax.precision import gemm
 from infir2_jax.precision import quant_error
 from infir2_jax.precision.quantize import quantize_tensor
 from infir2_jax.precision.recipes import AttentionSpec
@@ -74,7 +77,8 @@ def _forward(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL, spec: Attentio
   scores_bytes = 4 * batch * heads * length * length
   if scores_bytes > DENSE_SCORES_WARN_BYTES:
     logging.warning(
-        "FP8 attention runs on XLA with dense scores (no FP8 attention kernel yet): one "
+        "FP8 attention runs on XLA with dense scores (the FP8 attention kernel runs only on "
+        "a Hopper GPU, head dim 128, rows a multiple of 128): one "
         "layer's [%d, %d, %d, %d] float32 scores take %.1f GiB, and the forward holds several "
         "such arrays; at this sequence length use recipe infir2 (BF16 attention) for speed "
         "and memory, or shorter rows to study FP8 attention's numerics", batch, heads,
@@ -107,13 +111,31 @@ def bf16_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL):
                                       is_causal=True)
 
 
+def _kernel_module(q, k, v, segment_ids):
+  """The FP8 attention kernel's module where a Hopper GPU runs the Pallas kernels and the
+  kernel takes these shapes, else None (the XLA forward below)."""
+  if gemm.pallas_kernels("auto") is None:
+    return None
+  kernel = importlib.import_module("infir2_jax.precision.kernels.fp8_attention")
+  return kernel if kernel.supports(q, k, v, segment_ids) else None
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def fp8_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL, spec: AttentionSpec):
   """Causal (document-masked where segment ids are given) GQA attention, FP8 forward.
 
   q [B, L, H, Dh], k and v [B, L, K, Dh] (H a multiple of K), segment_ids [B, L] int or
   None. Returns [B, L, H, Dh] in q's dtype. Gradients: the BF16 attention's (module doc).
+  On a Hopper GPU the forward is the Mosaic GPU kernel (precision/kernels/fp8_attention.py:
+  one pass, running max; head dim 128, rows a multiple of 128, contiguous documents) where
+  it takes the shapes; elsewhere this module's XLA forward (dense scores). Under a
+  multi-device mesh the kernel is an opaque custom call that XLA runs whole per device
+  (no shard_map yet).
   """
+  kernel = _kernel_module(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL)
+  if kernel is not None:
+    return kernel.fp8_attention_forward(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
+                                        fmt=spec.fmt, scale_format=spec.scale_format)
   return _forward(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL, spec)[0]
 
 

@@ -1,0 +1,165 @@
+"""The FP8 attention kernel (precision/kernels/fp8_attention.py) in the Mosaic GPU
+interpreter: its online reference to float32 summation order, within FP8 rounding of P the final-max
+reference (precision/fp8_attention.py, itself tested against float64 NumPy), its block
+skipping for documents, its input checks, and its lowering for Hopper."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infir2_jax.precision import fp8_attention as xla_fp8
+from infir2_jax.precision.kernels import fp8_attention as kernel
+from infir2_jax.precision.recipes import AttentionSpec
+
+
+def _inputs(length, heads=2, kv_heads=1, seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((1, length, heads, 128)) * 2, jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((1, length, kv_heads, 128)) * 2, jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((1, length, kv_heads, 128)), jnp.bfloat16)
+  return q, k, v
+
+
+def _f32(x):
+  return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+# Documents of 100, 160, 190 and 62 tokens: the last CTA (rows 384-511) starts inside the
+# third document (from 260), so it skips key blocks 0 and 1 (kv_first_block 2); the
+# boundaries fall inside 128-key blocks and inside the 64-row warpgroup tiles.
+DOCS_512 = np.repeat(np.arange(1, 5), [100, 160, 190, 62])[None].astype(np.int32)
+
+
+@pytest.mark.parametrize("segments,fmt", [(None, "e4m3"), (DOCS_512, "e4m3"),
+                                          (DOCS_512, "e5m2")], ids=["causal", "docs", "e5m2"])
+def test_kernel_is_its_online_reference(segments, fmt):
+  """Equal but for float32 summation order (WGMMA vs XLA's dot): a few outputs in 10^5
+  one bf16 unit apart."""
+  q, k, v = _inputs(512)
+  seg = None if segments is None else jnp.asarray(segments)
+  got = kernel.fp8_attention_forward(q, k, v, seg, fmt=fmt, interpret=True)
+  want = kernel.online_reference(q, k, v, seg, fmt=fmt)
+  assert got.dtype == jnp.bfloat16 and got.shape == q.shape
+  got32, want32 = _f32(got), _f32(want)
+  assert np.mean(got32 == want32) > 0.9999
+  ulp = np.abs(want32) * 2.0 ** -7 + 1e-30          # one bf16 unit (8 significant bits)
+  assert np.all(np.abs(got32 - want32) <= ulp)
+  # and within FP8 rounding of P of the final-max reference (the recipe's definition),
+  # while clearly not the unquantized attention
+  final = _f32(xla_fp8._forward(q, k, v, seg, AttentionSpec(fmt=fmt))[0])
+  exact = _f32(xla_fp8.bf16_attention(*(x.astype(jnp.float32) for x in (q, k, v)), seg))
+  scale = np.abs(exact).max()
+  assert np.abs(_f32(got) - final).max() < 0.05 * scale
+  assert np.abs(final - exact).max() > 0.01 * scale
+
+
+def test_online_reference_on_one_block_is_the_final_max_reference():
+  """With one 128-key block the running max is the final max: the two definitions meet
+  (up to exp2 vs exp in the last bit of P~, which moves no FP8 code here)."""
+  q, k, v = _inputs(128, heads=4, kv_heads=2, seed=1)
+  seg = jnp.asarray(np.repeat([1, 2], [50, 78])[None], jnp.int32)
+  online = _f32(kernel.online_reference(q, k, v, seg))
+  final = _f32(xla_fp8._forward(q, k, v, seg, AttentionSpec())[0])
+  np.testing.assert_allclose(online, final, rtol=2e-2, atol=2e-2 * np.abs(final).max())
+  assert np.mean(online == final) > 0.9
+
+
+def test_document_starts_and_kv_first_block():
+  seg = jnp.asarray(DOCS_512)
+  starts = np.asarray(kernel.document_starts(seg))[0]
+  np.testing.assert_array_equal(starts[[0, 99, 100, 259, 260, 449, 450, 511]],
+                                [0, 0, 100, 100, 260, 260, 450, 450])
+  # CTAs of 128 rows start at 0, 128, 256, 384: in documents from 0, 100, 100, 260
+  np.testing.assert_array_equal(np.asarray(kernel.kv_first_block(seg, 128))[0], [0, 0, 0, 2])
+  assert kernel.kv_first_block(seg[:, :256], 128).shape == (1, 4)   # a 16-byte TMA row
+
+
+def test_kernel_rejects_what_it_cannot_take():
+  q, k, v = _inputs(256)
+  with pytest.raises(ValueError, match="head_dim=64"):
+    kernel.fp8_attention_forward(q[..., :64], k[..., :64], v[..., :64], interpret=True)
+  with pytest.raises(ValueError, match="sequence length 200"):
+    kernel.fp8_attention_forward(q[:, :200], k[:, :200], v[:, :200], interpret=True)
+  with pytest.raises(ValueError, match="q.dtype=float32"):
+    kernel.fp8_attention_forward(q.astype(jnp.float32), k, v, interpret=True)
+  with pytest.raises(ValueError, match="not a multiple"):
+    kernel.fp8_attention_forward(q[:, :, :1], jnp.concatenate([k, k], 2),
+                                 jnp.concatenate([v, v], 2), interpret=True)
+  with pytest.raises(ValueError, match="segment_ids"):
+    kernel.fp8_attention_forward(q, k, v, jnp.zeros((1, 128), jnp.int32), interpret=True)
+  with pytest.raises(ValueError, match="block_q=96"):
+    kernel.AttentionConfig(block_q=96)
+
+
+def test_kernel_lowers_for_hopper_at_the_1p5b_shape():
+  """2 x 8192, GQA 12/2: shared memory fits and every primitive lowers (the deviceless
+  H200 compile with ptxas is benchmarks/attention_sass.py)."""
+  mesh = jax.sharding.AbstractMesh(
+      (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+          device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+  specs = (jax.ShapeDtypeStruct((2, 8192, 12, 128), jnp.bfloat16),
+           jax.ShapeDtypeStruct((2, 8192, 2, 128), jnp.bfloat16),
+           jax.ShapeDtypeStruct((2, 8192, 2, 128), jnp.bfloat16),
+           jax.ShapeDtypeStruct((2, 8192), jnp.int32))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.jit(kernel.fp8_attention_forward).trace(*specs).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and kernel.KERNEL_NAME in text
+
+
+def test_fp8_attention_runs_the_kernel_where_the_kernels_run(monkeypatch):
+  """With Hopper kernels available (faked here) fp8_attention's forward is the kernel's
+  (interpreted) and its gradients stay the BF16 attention's; shapes the kernel cannot take
+  keep the XLA forward."""
+  import infir2_jax.precision.kernels as kernels_pkg
+  calls = []
+
+  def interpreted(*args, **kw):
+    calls.append(args[0].shape)
+    return kernel_forward(*args, **kw, interpret=True)
+  kernel_forward = kernel.fp8_attention_forward
+  monkeypatch.setattr(kernels_pkg, "available", lambda: True)
+  monkeypatch.setattr(kernel, "fp8_attention_forward", interpreted)
+  q, k, v = _inputs(256, heads=2, kv_heads=1, seed=3)
+  seg = jnp.asarray(np.repeat([1, 2], [70, 186])[None], jnp.int32)
+  out = xla_fp8.fp8_attention(q, k, v, seg, AttentionSpec())
+  assert calls == [q.shape]
+  np.testing.assert_array_equal(_f32(out), _f32(kernel_forward(q, k, v, seg, interpret=True)))
+  g = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape), jnp.bfloat16)
+  _, vjp_fp8 = jax.vjp(lambda q, k, v: xla_fp8.fp8_attention(q, k, v, seg, AttentionSpec()),
+                       q, k, v)
+  _, vjp_bf16 = jax.vjp(lambda q, k, v: xla_fp8.bf16_attention(q, k, v, seg), q, k, v)
+  for a, b in zip(vjp_fp8(g), vjp_bf16(g)):
+    np.testing.assert_array_equal(_f32(a), _f32(b))
+  assert len(calls) == 2
+  calls.clear()
+  xla_fp8.fp8_attention(q[:, :200], k[:, :200], v[:, :200], None, AttentionSpec())
+  assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("segments", [None, "lognormal"])
+def test_kernel_on_the_gpu_is_its_online_reference(segments):
+  """On a Hopper GPU: the compiled kernel (approximate exp2, WGMMA) against its online
+  reference run by XLA on the same GPU, at 2 x 2048 with GQA 12/2. A P~ one ulp apart can
+  move an FP8 code of P, so the check is a bound, not bit equality."""
+  import infir2_jax.precision.kernels as kernels_pkg
+  if not kernels_pkg.available():
+    pytest.skip("needs a Hopper GPU")
+  rng = np.random.default_rng(5)
+  b, length = 2, 2048
+  q = jnp.asarray(rng.standard_normal((b, length, 12, 128)) * 2, jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((b, length, 2, 128)) * 2, jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((b, length, 2, 128)), jnp.bfloat16)
+  seg = None
+  if segments == "lognormal":
+    lengths = np.clip(rng.lognormal(np.log(300), 1.0, 64), 16, None).astype(int)
+    ids = np.repeat(np.arange(1, 65), lengths)[:length]
+    seg = jnp.asarray(np.stack([ids, ids[::-1].max() + 1 - ids[::-1]]), jnp.int32)
+  got = _f32(kernel.fp8_attention_forward(q, k, v, seg))
+  want = _f32(jax.jit(kernel.online_reference)(q, k, v, seg))
+  scale = np.abs(want).max()
+  assert np.all(np.isfinite(got))
+  assert np.abs(got - want).max() <= 0.02 * scale, np.abs(got - want).max() / scale
+  assert np.mean(np.abs(got - want) <= np.abs(want) * 2.0 ** -7 + 1e-6) > 0.99
