@@ -25,10 +25,11 @@ def _f32(x):
   return np.asarray(jnp.asarray(x, jnp.float32))
 
 
-# Documents of 100, 160, 190 and 62 tokens: the last CTA (rows 384-511) starts inside the
-# third document (from 260), so it skips key blocks 0 and 1 (kv_first_block 2); the
-# boundaries fall inside 128-key blocks and inside the 64-row warpgroup tiles.
-DOCS_512 = np.repeat(np.arange(1, 5), [100, 160, 190, 62])[None].astype(np.int32)
+# Documents of 100, 50 and 362 tokens: the CTAs of rows 256-383 and 384-511 start inside
+# the third document (from 150), so they skip key block 0; the boundaries fall inside
+# 128-key blocks and inside the 64-row warpgroup tiles; the tiles of rows 384-447 and
+# 448-511 are one document whose key block 2 needs no mask (the unmasked loop).
+DOCS_512 = np.repeat(np.arange(1, 4), [100, 50, 362])[None].astype(np.int32)
 
 
 @pytest.mark.parametrize("segments,fmt", [(None, "e4m3"), (DOCS_512, "e4m3"),
@@ -65,14 +66,14 @@ def test_online_reference_on_one_block_is_the_final_max_reference():
   assert np.mean(online == final) > 0.9
 
 
-def test_document_starts_and_kv_first_block():
+def test_document_starts_and_tile_document_starts():
   seg = jnp.asarray(DOCS_512)
   starts = np.asarray(kernel.document_starts(seg))[0]
-  np.testing.assert_array_equal(starts[[0, 99, 100, 259, 260, 449, 450, 511]],
-                                [0, 0, 100, 100, 260, 260, 450, 450])
-  # CTAs of 128 rows start at 0, 128, 256, 384: in documents from 0, 100, 100, 260
-  np.testing.assert_array_equal(np.asarray(kernel.kv_first_block(seg, 128))[0], [0, 0, 0, 2])
-  assert kernel.kv_first_block(seg[:, :256], 128).shape == (1, 4)   # a 16-byte TMA row
+  np.testing.assert_array_equal(starts[[0, 99, 100, 149, 150, 511]], [0, 0, 100, 100, 150, 150])
+  # warpgroup tiles of 64 rows start at 0, 64, ..., 448: in documents from
+  np.testing.assert_array_equal(np.asarray(kernel.tile_document_starts(seg, 64))[0],
+                                [0, 0, 100, 150, 150, 150, 150, 150])
+  assert kernel.tile_document_starts(seg[:, :128], 64).shape == (1, 4)   # a 16-byte TMA row
 
 
 def test_kernel_rejects_what_it_cannot_take():

@@ -29,8 +29,11 @@ block order and running max, in jnp: equal up to float32 summation order and exp
 bit) and, within FP8 rounding of P, against the final-max reference.
 
 Documents: segment ids [B, L] whose documents are contiguous runs (as packing makes them).
-Keys before the CTA's first document start are skipped a block at a time (`kv_first_block`);
-inside the visited blocks a key is allowed when it is causal and in the query's document.
+Keys before the CTA's first document start are skipped a block at a time
+(`tile_document_starts`); inside the visited blocks a key is allowed when it is causal and
+in the query's document. Blocks every key of which every row of a warpgroup may see (its
+rows in one document, the block after the document's start and before the first row) skip
+the mask, as FA3 skips it below the diagonal.
 Shapes the kernel takes: head dim 128, L a multiple of 2 * block_q and of 128, bfloat16 q,
 k, v; H a multiple of K (GQA). The backward stays BF16 (the custom_vjp in fp8_attention.py).
 """
@@ -136,11 +139,12 @@ def document_starts(segment_ids_BxL: jax.Array) -> jax.Array:
   return lax.cummax(jnp.where(new_run, pos, 0), axis=1)
 
 
-def kv_first_block(segment_ids_BxL: jax.Array, cta_rows: int) -> jax.Array:
-  """[B, T4] int32: per CTA of cta_rows query rows, the first 128-key block holding a key
-  one of its rows may see (its first row's document start); T4 rounds the CTA count up to
-  a multiple of 4 (a TMA row of at least 16 bytes)."""
-  starts = document_starts(segment_ids_BxL)[:, ::cta_rows] // BLOCK_KV
+def tile_document_starts(segment_ids_BxL: jax.Array, rows: int) -> jax.Array:
+  """[B, T4] int32: per tile of `rows` query rows (a compute warpgroup's), the document start
+  of its first row; T4 rounds the tile count up to a multiple of 4 (a TMA row of at least 16
+  bytes). A CTA visits key blocks from its first tile's start // 128 on; a tile whose rows
+  are one document needs no mask on the blocks from its start to its first row."""
+  starts = document_starts(segment_ids_BxL)[:, ::rows]
   pad = -starts.shape[1] % 4
   return jnp.pad(starts, ((0, 0), (0, pad))).astype(jnp.int32)
 
@@ -217,7 +221,7 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
     """[lo, hi): the KV blocks this CTA visits (after its first row's document start, up to
     the causal end of its last row)."""
     plgpu.barrier_wait(lo_bar.at[0])
-    lo = kvlo_smem[q_tile]
+    lo = lax.div(kvlo_smem[2 * q_tile], i32(bkv))
     hi = lax.div(cta_base + 2 * bq + bkv - 1, i32(bkv))
     return lo, hi
 
@@ -242,7 +246,14 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
     m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
     l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
 
-    def kv_step(r, carry):
+    # Key blocks [u0, u1) need no mask: the rows are one document (contiguous runs), the
+    # block starts at or after its start, and ends at or before the first row.
+    one_doc = qseg_smem[0] == qseg_smem[bq - 1]
+    first_full = lax.div(kvlo_smem[2 * q_tile + wg] + bkv - 1, i32(bkv))
+    u0 = jnp.where(one_doc, jnp.clip(first_full, lo, hi), hi)
+    u1 = jnp.clip(lax.div(q_base + 1, i32(bkv)), u0, hi)
+
+    def kv_step(r, carry, masked: bool):
       acc, m_i, l_i = carry
       slot = lax.rem(r, i32(steps))
       kv_block = lo + r
@@ -253,17 +264,19 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
         return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
       raw = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
       sk = plgpu.load(sk_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      kv_seg = plgpu.load(kvseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+      if masked:
+        kv_seg = plgpu.load(kvseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
       plgpu.barrier_arrive(k_consumed.at[slot])
       s = (raw * lax.broadcast_in_dim(sq, raw.shape, (0,))
            * lax.broadcast_in_dim(sk, raw.shape, (1,)))
-      q_ids = plgpu.broadcasted_iota(i32, raw.shape, 0, layout=plgpu.Layout.WGMMA) + q_base
-      kv_ids = (plgpu.broadcasted_iota(i32, raw.shape, 1, layout=plgpu.Layout.WGMMA)
-                + kv_block * bkv)
-      allowed = ((q_ids >= kv_ids)
-                 & (lax.broadcast_in_dim(q_seg, raw.shape, (0,))
-                    == lax.broadcast_in_dim(kv_seg, raw.shape, (1,))))
-      s = jnp.where(allowed, s, -jnp.inf)
+      if masked:
+        q_ids = plgpu.broadcasted_iota(i32, raw.shape, 0, layout=plgpu.Layout.WGMMA) + q_base
+        kv_ids = (plgpu.broadcasted_iota(i32, raw.shape, 1, layout=plgpu.Layout.WGMMA)
+                  + kv_block * bkv)
+        allowed = ((q_ids >= kv_ids)
+                   & (lax.broadcast_in_dim(q_seg, raw.shape, (0,))
+                      == lax.broadcast_in_dim(kv_seg, raw.shape, (1,))))
+        s = jnp.where(allowed, s, -jnp.inf)
       m_new = jnp.maximum(m_i, s.max(axis=1))
       m_use = jnp.where(m_new == -jnp.inf, jnp.float32(0), m_new)
       alpha = jnp.exp2(m_i - m_use)
@@ -288,7 +301,11 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
                        * lax.broadcast_in_dim(sv, acc.shape, (1,))))
       return acc, m_new, l_i
 
-    acc, m_i, l_i = lax.fori_loop(0, hi - lo, kv_step, (acc, m_i, l_i))
+    carry = (acc, m_i, l_i)
+    masked, plain = (functools.partial(kv_step, masked=m) for m in (True, False))
+    carry = lax.fori_loop(0, u0 - lo, masked, carry)        # before the document's blocks
+    carry = lax.fori_loop(u0 - lo, u1 - lo, plain, carry)   # inside it, below the diagonal
+    acc, m_i, l_i = lax.fori_loop(u1 - lo, hi - lo, masked, carry)   # the diagonal
 
     def release(r, _):  # blocks the other warpgroup still needs: consumed without use
       slot = lax.rem(r, i32(steps))
@@ -367,12 +384,12 @@ def _build(shapes, dtypes, config: AttentionConfig, groups: int, fmt: str, scale
         plgpu.SMEM((steps, BLOCK_KV), jnp.float32),                    # sk
         plgpu.SMEM((steps, dh), jnp.float32),                          # sv
         plgpu.SMEM((steps, BLOCK_KV), jnp.int32),                      # key segment ids
-        plgpu.SMEM((kvlo_cols,), jnp.int32),                           # kv_first_block row
+        plgpu.SMEM((kvlo_cols,), jnp.int32),                           # tile document starts
         smem_fp8((2, bq, BLOCK_KV)),                                   # P8 per warpgroup
     )
     barriers = (
         plgpu.Barrier(num_arrivals=3, num_barriers=2),          # q8, sq, segments
-        plgpu.Barrier(num_barriers=1),                          # kv_first_block
+        plgpu.Barrier(num_barriers=1),                          # tile document starts
         plgpu.Barrier(num_arrivals=3, num_barriers=steps),      # k8, sk, segments
         plgpu.Barrier(num_arrivals=2, num_barriers=steps),      # v8^T, sv
         plgpu.Barrier(num_arrivals=2, num_barriers=steps),      # K consumed by both WGs
@@ -413,7 +430,7 @@ def fp8_attention_forward(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL=No
   groups = heads // k_BxLxKxDh.shape[2]
   seg = (jnp.zeros((batch, length), jnp.int32) if segment_ids_BxL is None
          else segment_ids_BxL.astype(jnp.int32))
-  kvlo = kv_first_block(seg, 2 * config.block_q)
+  kvlo = tile_document_starts(seg, config.block_q)
   operands = quantize_operands(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, fmt, scale_format)
   kernel = _build((q_BxLxHxDh.shape, kvlo.shape[1]), None, config, groups, fmt, scale_format,
                   bool(interpret))
