@@ -25,6 +25,14 @@ def _f32(x):
   return np.asarray(jnp.asarray(x, jnp.float32))
 
 
+def _interpret(*args, **kw):
+  """The interpreted kernel with nothing else in flight: its warpgroups are host threads
+  that block inside XLA:CPU callbacks, so other computations running concurrently (async
+  dispatch) can starve them of XLA's worker threads."""
+  jax.block_until_ready(args)
+  return jax.block_until_ready(kernel.fp8_attention_forward(*args, **kw, interpret=True))
+
+
 # Documents of 100, 50 and 362 tokens: the CTAs of rows 256-383 and 384-511 start inside
 # the third document (from 150), so they skip key block 0; the boundaries fall inside
 # 128-key blocks and inside the 64-row warpgroup tiles; the tiles of rows 384-447 and
@@ -39,7 +47,7 @@ def test_kernel_is_its_online_reference(segments, fmt):
   one bf16 unit apart."""
   q, k, v = _inputs(512)
   seg = None if segments is None else jnp.asarray(segments)
-  got = kernel.fp8_attention_forward(q, k, v, seg, fmt=fmt, interpret=True)
+  got = _interpret(q, k, v, seg, fmt=fmt)
   want = kernel.online_reference(q, k, v, seg, fmt=fmt)
   assert got.dtype == jnp.bfloat16 and got.shape == q.shape
   got32, want32 = _f32(got), _f32(want)
@@ -118,7 +126,8 @@ def test_fp8_attention_runs_the_kernel_where_the_kernels_run(monkeypatch):
 
   def interpreted(*args, **kw):
     calls.append(args[0].shape)
-    return kernel_forward(*args, **kw, interpret=True)
+    jax.block_until_ready(args)
+    return jax.block_until_ready(kernel_forward(*args, **kw, interpret=True))
   kernel_forward = kernel.fp8_attention_forward
   monkeypatch.setattr(kernels_pkg, "available", lambda: True)
   monkeypatch.setattr(kernel, "fp8_attention_forward", interpreted)
@@ -126,14 +135,14 @@ def test_fp8_attention_runs_the_kernel_where_the_kernels_run(monkeypatch):
   seg = jnp.asarray(np.repeat([1, 2], [70, 186])[None], jnp.int32)
   out = xla_fp8.fp8_attention(q, k, v, seg, AttentionSpec())
   assert calls == [q.shape]
-  np.testing.assert_array_equal(_f32(out), _f32(kernel_forward(q, k, v, seg, interpret=True)))
+  np.testing.assert_array_equal(_f32(out), _f32(interpreted(q, k, v, seg)))
   g = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape), jnp.bfloat16)
   _, vjp_fp8 = jax.vjp(lambda q, k, v: xla_fp8.fp8_attention(q, k, v, seg, AttentionSpec()),
                        q, k, v)
   _, vjp_bf16 = jax.vjp(lambda q, k, v: xla_fp8.bf16_attention(q, k, v, seg), q, k, v)
   for a, b in zip(vjp_fp8(g), vjp_bf16(g)):
     np.testing.assert_array_equal(_f32(a), _f32(b))
-  assert len(calls) == 2
+  assert len(calls) == 3
   calls.clear()
   xla_fp8.fp8_attention(q[:, :200], k[:, :200], v[:, :200], None, AttentionSpec())
   assert calls == []

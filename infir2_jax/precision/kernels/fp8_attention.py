@@ -253,7 +253,7 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
     u0 = jnp.where(one_doc, jnp.clip(first_full, lo, hi), hi)
     u1 = jnp.clip(lax.div(q_base + 1, i32(bkv)), u0, hi)
 
-    def kv_step(r, carry, masked: bool):
+    def kv_step(r, carry):
       acc, m_i, l_i = carry
       slot = lax.rem(r, i32(steps))
       kv_block = lo + r
@@ -264,19 +264,22 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
         return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
       raw = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
       sk = plgpu.load(sk_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      if masked:
-        kv_seg = plgpu.load(kvseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      plgpu.barrier_arrive(k_consumed.at[slot])
       s = (raw * lax.broadcast_in_dim(sq, raw.shape, (0,))
            * lax.broadcast_in_dim(sk, raw.shape, (1,)))
-      if masked:
-        q_ids = plgpu.broadcasted_iota(i32, raw.shape, 0, layout=plgpu.Layout.WGMMA) + q_base
-        kv_ids = (plgpu.broadcasted_iota(i32, raw.shape, 1, layout=plgpu.Layout.WGMMA)
+
+      def apply_mask(s):
+        kv_seg = plgpu.load(kvseg_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        q_ids = plgpu.broadcasted_iota(i32, s.shape, 0, layout=plgpu.Layout.WGMMA) + q_base
+        kv_ids = (plgpu.broadcasted_iota(i32, s.shape, 1, layout=plgpu.Layout.WGMMA)
                   + kv_block * bkv)
         allowed = ((q_ids >= kv_ids)
-                   & (lax.broadcast_in_dim(q_seg, raw.shape, (0,))
-                      == lax.broadcast_in_dim(kv_seg, raw.shape, (1,))))
-        s = jnp.where(allowed, s, -jnp.inf)
+                   & (lax.broadcast_in_dim(q_seg, s.shape, (0,))
+                      == lax.broadcast_in_dim(kv_seg, s.shape, (1,))))
+        return jnp.where(allowed, s, -jnp.inf)
+      # one copy of the loop body (the SM's instruction cache: NOTES_kernels session 18),
+      # the mask in a branch of its own
+      s = lax.cond((kv_block < u0) | (kv_block >= u1), apply_mask, lambda s: s, s)
+      plgpu.barrier_arrive(k_consumed.at[slot])
       m_new = jnp.maximum(m_i, s.max(axis=1))
       m_use = jnp.where(m_new == -jnp.inf, jnp.float32(0), m_new)
       alpha = jnp.exp2(m_i - m_use)
@@ -301,11 +304,7 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
                        * lax.broadcast_in_dim(sv, acc.shape, (1,))))
       return acc, m_new, l_i
 
-    carry = (acc, m_i, l_i)
-    masked, plain = (functools.partial(kv_step, masked=m) for m in (True, False))
-    carry = lax.fori_loop(0, u0 - lo, masked, carry)        # before the document's blocks
-    carry = lax.fori_loop(u0 - lo, u1 - lo, plain, carry)   # inside it, below the diagonal
-    acc, m_i, l_i = lax.fori_loop(u1 - lo, hi - lo, masked, carry)   # the diagonal
+    acc, m_i, l_i = lax.fori_loop(0, hi - lo, kv_step, (acc, m_i, l_i))
 
     def release(r, _):  # blocks the other warpgroup still needs: consumed without use
       slot = lax.rem(r, i32(steps))
