@@ -40,6 +40,8 @@
 #        lean (1.5B at 2 x 8192: bf16, the default infir2, that with fp8 moments),
 #        7bspeed (7B at 4 x 4096: bf16 as configs/7b.py has it, infir2 unrolled with fp8
 #        moments, the fused loss and the fused FP8 AdamW step under save_dots and save_dots_fp8),
+#        triton (1.5B at 2 x 8192, profiled: bf16, the default infir2, that with
+#        precision.quantize_backend=triton: issue 33's Triton quantizers in the step),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
 set -o pipefail
@@ -205,6 +207,15 @@ elif [[ $STAGE == lean ]]; then
     --recipes=bf16,infir2,infir2~opt.moments=fp8 \
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
     --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
+    | grep -vE "onstant.folding|slow_operation|^$" | tail -30
+elif [[ $STAGE == triton ]]; then
+  # Issue 33's design 2 in the step, after run_kernels_gpu.sh triton shows the kernels alone
+  # faster: the default infir2 with the fused SwiGLU quantizers as Pallas Triton kernels
+  # (precision.quantize_backend=triton) against the Mosaic ones, and bf16, in one run.
+  timeout $((DEADLINE + 220)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
+    --recipes=bf16,infir2,infir2~precision.quantize_backend=triton \
+    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
+    --deadline_s="$DEADLINE" --profile_dir=/tmp/prof --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
     | grep -vE "onstant.folding|slow_operation|^$" | tail -30
 elif [[ $STAGE == 7bspeed ]]; then
   # Memory spent on speed at 7B (issue 35 item 3): unrolled layers with FP8 moments, the
