@@ -131,7 +131,9 @@ def quantize_operands(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, fmt: str, scale_format
 
 
 def document_starts(segment_ids_BxL: jax.Array) -> jax.Array:
-  """[B, L] int32: the index of the first token of each token's document (contiguous run)."""
+  """[B, L] int32: the index of the first token of each token's document (contiguous run).
+  The runs begin where model/packed_attention.run_starts says; kernels import nothing of the
+  model (tests/test_kernels.py), so the two lines are written again here."""
   length = segment_ids_BxL.shape[1]
   pos = jnp.arange(length, dtype=jnp.int32)
   new_run = jnp.concatenate([jnp.ones_like(segment_ids_BxL[:, :1], bool),
@@ -356,7 +358,7 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
 
 
 @functools.lru_cache(maxsize=None)
-def _build(shapes, dtypes, config: AttentionConfig, groups: int, fmt: str, scale_format: str,
+def _build(shapes, config: AttentionConfig, groups: int, fmt: str, scale_format: str,
            interpret: bool):
   """The jitted kernel of one static signature."""
   import jax.experimental.pallas as pl
@@ -431,6 +433,6 @@ def fp8_attention_forward(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL=No
          else segment_ids_BxL.astype(jnp.int32))
   kvlo = tile_document_starts(seg, config.block_q)
   operands = quantize_operands(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, fmt, scale_format)
-  kernel = _build((q_BxLxHxDh.shape, kvlo.shape[1]), None, config, groups, fmt, scale_format,
+  kernel = _build((q_BxLxHxDh.shape, kvlo.shape[1]), config, groups, fmt, scale_format,
                   bool(interpret))
   return kernel(*operands, seg, kvlo)

@@ -135,6 +135,15 @@ def _half_width(gu):
   return gu.shape[1] // 2
 
 
+def check_swiglu_bwd_shapes(dh_MxF, gu_Mx2F) -> int:
+  """F of gu = [gate | up] [M, 2F], checking that dh is [M, F]."""
+  f = _half_width(gu_Mx2F)
+  if dh_MxF.shape != (gu_Mx2F.shape[0], f):
+    raise ValueError(f"dh.shape={dh_MxF.shape} does not match gu.shape={gu_Mx2F.shape} "
+                     f"(expected {(gu_Mx2F.shape[0], f)})")
+  return f
+
+
 def _produce_piece(bufs, producer, h, c, cols: int):
   """The producer on rows [64h, 64h + 64) x columns [c cols, (c + 1) cols) of its input
   blocks (bf16 in shared memory), in float32; its bf16 outputs replace the first inputs."""
@@ -414,10 +423,7 @@ def swiglu_bwd_quantize(dh_MxF, gu_Mx2F, *, fmt="e4m3", scale_format="ue8m0",
                         config: FusedConfig = DEFAULT_FUSED_CONFIG):
   """swiglu_bwd_quantize_reference(dh, gu) in one pass: (q, s, qT, sT) of dgu [M, 2F]
   (with_values: and dgu itself, as the kernel computed it)."""
-  f = _half_width(gu_Mx2F)
-  if dh_MxF.shape != (gu_Mx2F.shape[0], f):
-    raise ValueError(f"dh.shape={dh_MxF.shape} does not match gu.shape={gu_Mx2F.shape} "
-                     f"(expected {(gu_Mx2F.shape[0], f)})")
+  f = check_swiglu_bwd_shapes(dh_MxF, gu_Mx2F)
   return _run("swiglu_bwd", [dh_MxF, gu_Mx2F], ((0, 0), (1, 0), (1, f // TILE)), f, fmt,
               scale_format, interpret, with_values, config)
 

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from infir2_jax.precision import formats
 from infir2_jax.precision.kernels.fused_quantize import PRODUCERS, _half_width
+from infir2_jax.precision.kernels.fused_quantize import check_swiglu_bwd_shapes
 from infir2_jax.precision.kernels.quantize import TILE, quantize_values
 
 KERNEL_NAME = "infir2_triton"
@@ -251,10 +252,7 @@ def swiglu_bwd_quantize_triton(dh_MxF, gu_Mx2F, *, fmt="e4m3", scale_format="ue8
                                config: TritonConfig = DEFAULT_TRITON_CONFIG):
   """fused_quantize.swiglu_bwd_quantize as a Triton kernel: (q, s, qT, sT) of dgu [M, 2F]
   (with_values: and dgu itself, as the kernel computed it)."""
-  f = _half_width(gu_Mx2F)
-  if dh_MxF.shape != (gu_Mx2F.shape[0], f):
-    raise ValueError(f"dh.shape={dh_MxF.shape} does not match gu.shape={gu_Mx2F.shape} "
-                     f"(expected {(gu_Mx2F.shape[0], f)})")
+  f = check_swiglu_bwd_shapes(dh_MxF, gu_Mx2F)
   return _fused("swiglu_bwd", (dh_MxF, gu_Mx2F), ((0, 0), (1, 0), (1, f // TILE)), f,
                 fmt=fmt, scale_format=scale_format, interpret=interpret,
                 with_values=with_values, config=config)
