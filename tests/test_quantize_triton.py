@@ -176,3 +176,40 @@ def test_triton_quantize_backend_gives_the_same_loss_and_grads(monkeypatch):
   assert calls == ["triton", "triton"]   # the forward's and the backward's quantizer
   for a, b in zip(jax.tree.leaves(triton), jax.tree.leaves(reference)):
     assert cpu._bit_equal(a, b)
+
+
+def test_triton_quantize_backend_reaches_the_projections_x_and_dy(monkeypatch):
+  """A projection's dot_general with quantize_backend="triton": its X (fprop + wgrad) and dY
+  (dgrad + wgrad) tile quantizations made to run as the Triton kernel (interpreted on the
+  CPU), against the default path (XLA on the CPU): the same loss and gradients, bit for bit;
+  the weights' 128x128 blocks stay on their own path."""
+  from infir2_jax.precision import PrecisionConfig
+  from infir2_jax.precision import dot_general as dg
+  from infir2_jax.precision.factory import make_dot_general_factory
+  r = np.random.default_rng(1)
+  x = jnp.asarray(r.standard_normal((2, 72, 256)), jnp.bfloat16)   # token tail: 144 rows
+  w = jnp.asarray(r.standard_normal((256, 384)) * 0.05, jnp.bfloat16)
+  dims = (((2,), (0,)), ((), ()))
+
+  def loss_and_grads(quantize_backend):
+    dot = make_dot_general_factory(PrecisionConfig(
+        recipe="infir2", quantize_backend=quantize_backend))("layers_0/self_attn/q_proj")
+    loss = lambda x, w: jnp.mean(dot(x, w, dims).astype(jnp.float32) ** 2)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+
+  reference = loss_and_grads("mosaic")
+  real_kernels, real_quantizer = dg.quantizer_kernels, dg.tile_quantizer
+  calls = []
+  monkeypatch.setattr(dg, "quantizer_kernels",   # "on Hopper", for the 1x128 tiles only
+                      lambda plan, x, *s, tile: (kernels if tile == (1, 128)
+                                                 else real_kernels(plan, x, *s, tile=tile)))
+  monkeypatch.setattr(dg, "tile_quantizer",
+                      lambda k, b: calls.append(b) or real_quantizer(k, b))
+  triton = loss_and_grads("triton")
+  assert calls == ["triton", "triton"]   # X in the forward, dY in the backward
+  assert real_quantizer(kernels, "triton") is qt.quantize_tiles_triton
+  assert real_quantizer(kernels, "mosaic") is kernels.quantize_tiles
+  for a, b in zip(jax.tree.leaves(triton), jax.tree.leaves(reference)):
+    assert cpu._bit_equal(a, b)
+  with pytest.raises(ValueError, match="quantize_backend"):
+    dg.make_dot_general("infir2", quantize_backend="cuda")

@@ -5,9 +5,9 @@ import re
 
 from infir2_jax.errors import ConfigError
 from infir2_jax.precision import gemm
+from infir2_jax.precision.dot_general import QUANTIZE_BACKENDS
 from infir2_jax.precision.recipes import Recipe, get_recipe, recipe_names
 
-QUANTIZE_BACKENDS = ("mosaic", "triton")   # valid precision.quantize_backend values
 
 # Paths that are embeddings or the LM head: BF16 unless quantize_lm_head (the paper's choice).
 HEAD_PATH_RE = re.compile(r"(^|/)(lm_head|embed_tokens)(/|$)")
@@ -54,11 +54,12 @@ class PrecisionConfig:
       may differ from XLA's in the last bit of exp/division in a few per million. On the
       H200 575 us against 710 at 1.5B/16k tokens, 0.983x the step (session 18); False
       gives back the XLA form.
-    quantize_backend: which kernels make the fused MLP's SwiGLU quantizations on Hopper:
-      "mosaic" (kernels/fused_quantize.py, Mosaic GPU) or "triton" (kernels/
+    quantize_backend: which kernels make the 1x128 tile quantizations on Hopper (X and dY
+      of every FP8 projection, the fused MLP's SwiGLU forward and backward): "mosaic"
+      (kernels/quantize.py and fused_quantize.py, Mosaic GPU) or "triton" (kernels/
       quantize_triton.py, Pallas Triton, issue 33's design 2; bit-identical quantization,
-      the same last-bit caveat on the producers). Opt-in for a step comparison; the other
-      quantizers (x, dy, weights) stay Mosaic GPU. Elsewhere XLA runs either way.
+      the same last-bit caveat on the producers). Opt-in for a step comparison; the
+      weights' 128x128 blocks stay Mosaic GPU. Elsewhere XLA runs either way.
   """
   recipe: str = "bf16"
   overrides: tuple[str, ...] = ()

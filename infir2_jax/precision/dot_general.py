@@ -40,6 +40,7 @@ from infir2_jax.precision.recipes import OperandSpec, Recipe, get_recipe
 # are saved only by "save_dots_fp8", else recomputed by re-quantizing the recomputed X.
 FP8_GEMM_OUT = "fp8_gemm_out"
 FP8_RESIDUALS = "fp8_residuals"
+QUANTIZE_BACKENDS = ("mosaic", "triton")   # kernels of the 1x128 tile quantizers on Hopper
 SINK_SHAPE = (2, 2, len(quant_error.STAT_NAMES))   # (dgrad, wgrad) x (lhs, rhs) x stats
 FPROP_STATS_SHAPE = (2, len(quant_error.STAT_NAMES))  # (x, w) x stats
 
@@ -58,6 +59,9 @@ class GemmPlan:
   # w arrives as stored by Flax Dense, [K, N] (`w` below is then w_KxN): both weight layouts
   # come from one read of it, and wgrad writes dW as [K, N], with no transpose either way.
   w_stored_kxn: bool = False
+  # Which kernels make the 1x128 tile quantizations (X, dY) on Hopper: "mosaic" (kernels.
+  # quantize_tiles) or "triton" (kernels/quantize_triton.py); precision.quantize_backend.
+  quantize_backend: str = "mosaic"
 
 
 def quantize_operand(x: jax.Array, spec: OperandSpec, compute_dtype=None):
@@ -90,10 +94,20 @@ def quantizer_kernels(plan: GemmPlan, x, *specs: OperandSpec, tile):
   return gemm.pallas_kernels(plan.backend)
 
 
+def tile_quantizer(kernels, quantize_backend: str):
+  """quantize_tiles of precision.quantize_backend: the Mosaic GPU kernel of the `kernels`
+  module, or its Pallas Triton twin (kernels/quantize_triton.py); the same contract."""
+  if quantize_backend == "triton":
+    from infir2_jax.precision.kernels import quantize_triton
+    return quantize_triton.quantize_tiles_triton
+  return kernels.quantize_tiles
+
+
 def quantize_rows(plan: GemmPlan, x_MxK, spec: OperandSpec, spec_t: "OperandSpec | None"):
   """(x per spec, x^T per spec_t or None): X in fprop+wgrad, dY in dgrad+wgrad.
 
-  On Hopper both come from one read of x (kernels.quantize_tiles, with_transpose).
+  On Hopper both come from one read of x (quantize_tiles, with_transpose; the kernel of
+  plan.quantize_backend).
   """
   specs = (spec,) if spec_t is None else (spec, spec_t)
   kernels = quantizer_kernels(plan, x_MxK, *specs, tile=(1, 128))
@@ -102,7 +116,7 @@ def quantize_rows(plan: GemmPlan, x_MxK, spec: OperandSpec, spec_t: "OperandSpec
     xt = None if spec_t is None else transposed_operand(xq, x_MxK, spec_t, plan.compute_dtype)
     return xq, xt
   both = spec_t is not None and spec_t.quantized
-  out = kernels.quantize_tiles(x_MxK, fmt=spec.fmt, scale_format=spec.scale_format,
+  out = tile_quantizer(kernels, plan.quantize_backend)(x_MxK, fmt=spec.fmt, scale_format=spec.scale_format,
                                with_transpose=both)
   xq = QTensor(out[0], out[1], resolve_tile(spec.tile, x_MxK.shape), spec.scale_format)
   if spec_t is None:
@@ -247,7 +261,7 @@ def canonicalize(lhs: jax.Array, rhs: jax.Array, dimension_numbers):
 
 def quantized_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None, *,
                           recipe: Recipe, backend: str = "auto", telemetry: bool = False,
-                          sink=None):
+                          sink=None, quantize_backend: str = "mosaic"):
   """The FP8 dot_general of `recipe`; with telemetry returns (y, fprop_stats [2, 3])."""
   x_MxK, w_NxK, out_shape = canonicalize(lhs, rhs, dimension_numbers)
   # A kernel contracted on its leading axes (Flax Dense [K, N], DenseGeneral [K..., N...])
@@ -259,7 +273,7 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=No
                        else jnp.result_type(lhs.dtype, rhs.dtype))
   plan = GemmPlan(recipe, gemm.check_backend(backend), out_dtype, np.dtype(lhs.dtype),
                np.dtype(rhs.dtype), np.dtype(jnp.result_type(lhs.dtype, rhs.dtype)),
-               telemetry, telemetry and sink is not None, stored_kxn)
+               telemetry, telemetry and sink is not None, stored_kxn, quantize_backend)
   w = rhs.reshape(w_NxK.shape[::-1]) if stored_kxn else w_NxK
   out = _fp8_matmul(plan, x_MxK, w, sink)
   if telemetry:
@@ -267,14 +281,24 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=No
   return checkpoint_name(out, FP8_GEMM_OUT).reshape(out_shape)
 
 
-def make_dot_general(recipe: "Recipe | str", *, backend: str = "auto"):
+def check_quantize_backend(quantize_backend: str) -> str:
+  if quantize_backend not in QUANTIZE_BACKENDS:
+    raise ValueError(f"quantize_backend={quantize_backend!r}: one of {QUANTIZE_BACKENDS}")
+  return quantize_backend
+
+
+def make_dot_general(recipe: "Recipe | str", *, backend: str = "auto",
+                     quantize_backend: str = "mosaic"):
   """A function with lax.dot_general's signature running `recipe`'s three GEMMs.
+  quantize_backend: the kernels of the X and dY tile quantizations on Hopper ("mosaic" or
+  "triton", precision.quantize_backend).
 
   The bf16 recipe (no quantized operand) returns lax.dot_general itself, so XLA sees the
   ordinary graph.
   """
   recipe = get_recipe(recipe)
   gemm.check_backend(backend)
+  check_quantize_backend(quantize_backend)
   if recipe.is_bf16:
     return bf16_dot_general
 
@@ -282,7 +306,8 @@ def make_dot_general(recipe: "Recipe | str", *, backend: str = "auto"):
                   **unused_kwargs):
     del precision, unused_kwargs  # the recipe decides the numerics
     return quantized_dot_general(lhs, rhs, dimension_numbers, preferred_element_type,
-                                 recipe=recipe, backend=backend)
+                                 recipe=recipe, backend=backend,
+                                 quantize_backend=quantize_backend)
 
   dot_general.recipe = recipe
   return dot_general

@@ -47,7 +47,8 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
     if not shard_local(recipe):
       axes = None
     if (recipe.name, axes) not in cache:
-      dot_general = make_dot_general(recipe, backend=cfg.backend)
+      dot_general = make_dot_general(recipe, backend=cfg.backend,
+                                     quantize_backend=cfg.quantize_backend)
       cache[recipe.name, axes] = dot_general if axes is None else per_shard(dot_general, axes)
     return cache[recipe.name, axes]
 

@@ -35,8 +35,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from infir2_jax.precision import gemm
 from infir2_jax.precision.dot_general import (
-    FP8_GEMM_OUT, FP8_RESIDUALS, GemmPlan, make_dot_general, quantize_rows,
-    quantize_weight_both, quantizer_kernels)
+    FP8_GEMM_OUT, FP8_RESIDUALS, GemmPlan, check_quantize_backend, make_dot_general,
+    quantize_rows, quantize_weight_both, quantizer_kernels)
 from infir2_jax.precision.kernels import fused_quantize
 from infir2_jax.precision.quantize import QTensor, resolve_tile
 from infir2_jax.precision.recipes import Recipe, get_recipe
@@ -91,7 +91,6 @@ class _MlpPlan:
   gemm: GemmPlan   # dtypes: activations and weights in the compute dtype
   fast_accum: tuple[bool, bool, bool]
   fused_backward: bool = False
-  quantize_backend: str = "mosaic"   # the SwiGLU quantizers' kernels (fused_quantizers)
 
 
 def _tiles(out, spec, spec_t) -> tuple[QTensor, QTensor]:
@@ -116,7 +115,7 @@ def _swiglu_tiles(plan: _MlpPlan, gu, spec, spec_t):
   kernels = quantizer_kernels(gp, gu, spec, spec_t, tile=(1, TILE))
   if kernels is None:
     return quantize_rows(gp, fused_quantize.swiglu_reference(gu), spec, spec_t)
-  swiglu_quantize = fused_quantizers(kernels, plan.quantize_backend)[0]
+  swiglu_quantize = fused_quantizers(kernels, gp.quantize_backend)[0]
   return _tiles(swiglu_quantize(gu, fmt=spec.fmt, scale_format=spec.scale_format),
                 spec, spec_t)
 
@@ -128,7 +127,7 @@ def _swiglu_bwd_tiles(plan: _MlpPlan, dh, gu, spec, spec_t):
   kernels = quantizer_kernels(gp, dh, spec, spec_t, tile=(1, TILE))
   if kernels is None or gu.dtype != dh.dtype or not plan.fused_backward:
     return quantize_rows(gp, fused_quantize.swiglu_bwd_reference(dh, gu), spec, spec_t)
-  swiglu_bwd_quantize = fused_quantizers(kernels, plan.quantize_backend)[1]
+  swiglu_bwd_quantize = fused_quantizers(kernels, gp.quantize_backend)[1]
   return _tiles(swiglu_bwd_quantize(dh, gu, fmt=spec.fmt, scale_format=spec.scale_format),
                 spec, spec_t)
 
@@ -191,9 +190,9 @@ def _fused_mlp_bwd(plan: _MlpPlan, res, dy_MxD):
 _fused_mlp.defvjp(_fused_mlp_fwd, _fused_mlp_bwd)
 
 
-def _composed(recipe: Recipe, backend: str):
+def _composed(recipe: Recipe, backend: str, quantize_backend: str = "mosaic"):
   """The same MLP as three products of the recipe (widths that are not whole tiles)."""
-  dot_general = make_dot_general(recipe, backend=backend)
+  dot_general = make_dot_general(recipe, backend=backend, quantize_backend=quantize_backend)
   dims = lambda x: (((x.ndim - 1,), (0,)), ((), ()))
 
   def mlp(x, wg, wu, wd):
@@ -208,16 +207,16 @@ def make_gated_mlp(recipe: "Recipe | str", *, backend: str = "auto",
   (one that `supports`), all in the compute dtype; F not a multiple of 128 runs the
   composition of three products instead. fused_backward: SwiGLU's backward and dgu's
   quantization as one kernel on Hopper (precision.fused_mlp_backward). quantize_backend:
-  "mosaic" or "triton", the kernels of the SwiGLU quantizers (precision.quantize_backend)."""
-  if quantize_backend not in ("mosaic", "triton"):
-    raise ValueError(f"quantize_backend={quantize_backend!r}: 'mosaic' or 'triton'")
+  "mosaic" or "triton", the kernels of its 1x128 tile quantizers, SwiGLU's included
+  (precision.quantize_backend)."""
+  check_quantize_backend(quantize_backend)
   recipe = get_recipe(recipe)
   if not supports(recipe):
     raise ValueError(f"recipe {recipe.name!r} has no fused MLP (needs 1x128 tiles for every "
                      "activation and gradient operand); use its dot_general")
   gemm.check_backend(backend)
   fast_accum = (recipe.fprop.fast_accum, recipe.dgrad.fast_accum, recipe.wgrad.fast_accum)
-  composed = _composed(recipe, backend)
+  composed = _composed(recipe, backend, quantize_backend)
 
   def mlp(x, wg_DxF, wu_DxF, wd_FxD):
     (d, f), lead = wg_DxF.shape, x.shape[:-1]
@@ -225,8 +224,8 @@ def make_gated_mlp(recipe: "Recipe | str", *, backend: str = "auto",
       return composed(x, wg_DxF, wu_DxF, wd_FxD)
     dtype = np.dtype(jnp.result_type(x.dtype, wg_DxF.dtype))
     plan = _MlpPlan(GemmPlan(recipe, backend, dtype, np.dtype(x.dtype), np.dtype(wg_DxF.dtype),
-                             dtype, False, False), fast_accum, fused_backward,
-                    quantize_backend)
+                             dtype, False, False, quantize_backend=quantize_backend),
+                    fast_accum, fused_backward)
     return _fused_mlp(plan, x.reshape(-1, d), wg_DxF, wu_DxF, wd_FxD).reshape(*lead, d)
 
   mlp.recipe = recipe

@@ -63,9 +63,12 @@ class AttentionConfig:
   Attributes:
     block_q: query rows per compute warpgroup (a multiple of 64); a CTA takes 2 x block_q.
     max_concurrent_steps: KV blocks in flight in the TMA pipeline (>= 2).
+    approx_math: Mosaic GPU's approximate exp2 and division (the only field that may move
+      a last bit of P~, hence an FP8 code of P).
   """
   block_q: int = 64
   max_concurrent_steps: int = 2
+  approx_math: bool = True
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_q <= 0:
@@ -410,7 +413,8 @@ def _build(shapes, config: AttentionConfig, groups: int, fmt: str, scale_format:
       num_threads=3,
       thread_name="wg",
       kernel_name=KERNEL_NAME,
-      compiler_params=None if interpret else plgpu.CompilerParams(approx_math=True),
+      compiler_params=(None if interpret
+                       else plgpu.CompilerParams(approx_math=config.approx_math)),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )
   return jax.jit(kernel)
