@@ -15,6 +15,9 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kernels_out}
 mkdir -p "$OUT"
+for d in .stage_?; do  # a part of the study's GGUF, for its slice that follows at once
+  [[ -d $d ]] && mkdir -p /tmp/stage && cp "$d"/* /tmp/stage/
+done
 STAGE=${1:-all}
 GEMM_DEADLINE=${2:-150}
 MODELS=${3:-1p5b,7b}

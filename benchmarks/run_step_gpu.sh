@@ -56,9 +56,9 @@ DEADLINE=${2:-400}
 COMMON=(--tokens_per_step=16384 --data=text --override=data.tokenizer=default
         --override=opt.warmup_steps=10 --noise_run=0)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/env.txt"
-if [[ -d .stage_a ]]; then  # the study's first GGUF half, for the call that follows at once
-  mkdir -p /tmp/stage && cp .stage_a/* /tmp/stage/ && ls -la /tmp/stage | tail -1
-fi
+for d in .stage_?; do  # a part of the study's GGUF, for its slice that follows at once
+  [[ -d $d ]] && mkdir -p /tmp/stage && cp "$d"/* /tmp/stage/ && ls -la /tmp/stage | tail -1
+done
 if [[ $STAGE == 1p5b ]]; then
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_packed_attention.py \
     tests/test_precision_dot_general.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"

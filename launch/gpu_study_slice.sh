@@ -3,9 +3,10 @@
 # that reaches no registry; its results land in $OUT/gpu_study.tgz.
 #   OUT=/tmp/out bash launch/gpu_study_slice.sh BUDGET_S
 # Unpack the archive here, copy its runs/ into reports/gpu_study/runs and rebuild the report
-# (HOW_TO_RUN.md). Needs .whl/ (carried) and SmolLM2's GGUF: either already assembled in /tmp/stage by an
-# earlier call on this machine, or its halves as /tmp/stage/smollm2.part00 (an earlier call)
-# and .stage_b/smollm2.part01 (carried by this one). Converts it once to /tmp/smollm2_hf, then
+# (HOW_TO_RUN.md). Needs .whl/ (carried) and SmolLM2's GGUF: either already assembled in
+# /tmp/stage by an earlier call on this machine, or its three parts smollm2.part00..02 in
+# /tmp/stage (earlier calls that carried .stage_a and .stage_b) or in a carried .stage_?
+# folder (.stage_c, this call). Converts it once to /tmp/smollm2_hf, then
 # runs the study for BUDGET_S seconds (its runs checkpoint in /tmp/gpu_study: a second call
 # on the same warm machine resumes them).
 set -o pipefail
@@ -24,12 +25,16 @@ mkdir -p "$OUT" /tmp/stage
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl > /tmp/pip.log 2>&1 || { tail -5 /tmp/pip.log; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 INFIR2_SMOLLM2_GGUF=/tmp/stage/smollm2.gguf
+for d in .stage_?; do [[ -d $d ]] && cp "$d"/* /tmp/stage/; done
 if [[ ! -f $INFIR2_SMOLLM2_GGUF ]]; then
-  if [[ ! -f /tmp/stage/smollm2.part00 || ! -f .stage_b/smollm2.part01 ]]; then
-    echo "error: no GGUF: need /tmp/stage/smollm2.part00 (an earlier call) and" \
-         ".stage_b/smollm2.part01 (carried)"; exit 2
-  fi
-  cat /tmp/stage/smollm2.part00 .stage_b/smollm2.part01 > "$INFIR2_SMOLLM2_GGUF.tmp"
+  PARTS=(/tmp/stage/smollm2.part00 /tmp/stage/smollm2.part01 /tmp/stage/smollm2.part02)
+  for part in "${PARTS[@]}"; do
+    if [[ ! -f $part ]]; then
+      echo "error: no GGUF: $part is missing (carry .stage_a, .stage_b, .stage_c in three" \
+           "calls one right after the other: HOW_TO_RUN.md)"; exit 2
+    fi
+  done
+  cat "${PARTS[@]}" > "$INFIR2_SMOLLM2_GGUF.tmp"
   if [[ $(sha256sum < "$INFIR2_SMOLLM2_GGUF.tmp" | cut -d' ' -f1) != "$GGUF_SHA256" ]]; then
     echo "error: the assembled GGUF's sha256 is not $GGUF_SHA256"; exit 2
   fi
