@@ -118,9 +118,10 @@ def test_kernel_lowers_for_hopper_at_the_1p5b_shape():
 
 
 def test_fp8_attention_runs_the_kernel_where_the_kernels_run(monkeypatch):
-  """With Hopper kernels available (faked here) fp8_attention's forward is the kernel's
-  (interpreted) and its gradients stay the BF16 attention's; shapes the kernel cannot take
-  keep the XLA forward."""
+  """With Hopper kernels available (faked here) and the kernel asked for
+  (precision.fp8_attention_kernel), fp8_attention's forward is the kernel's (interpreted)
+  and its gradients stay the BF16 attention's; shapes the kernel cannot take, and the
+  default, keep the XLA forward."""
   import infir2_jax.precision.kernels as kernels_pkg
   calls = []
 
@@ -133,18 +134,20 @@ def test_fp8_attention_runs_the_kernel_where_the_kernels_run(monkeypatch):
   monkeypatch.setattr(kernel, "fp8_attention_forward", interpreted)
   q, k, v = _inputs(256, heads=2, kv_heads=1, seed=3)
   seg = jnp.asarray(np.repeat([1, 2], [70, 186])[None], jnp.int32)
-  out = xla_fp8.fp8_attention(q, k, v, seg, AttentionSpec())
+  xla_fp8.fp8_attention(q, k, v, seg, AttentionSpec())   # the default: no kernel
+  assert calls == []
+  out = xla_fp8.fp8_attention(q, k, v, seg, AttentionSpec(), True)
   assert calls == [q.shape]
   np.testing.assert_array_equal(_f32(out), _f32(interpreted(q, k, v, seg)))
   g = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape), jnp.bfloat16)
-  _, vjp_fp8 = jax.vjp(lambda q, k, v: xla_fp8.fp8_attention(q, k, v, seg, AttentionSpec()),
-                       q, k, v)
+  _, vjp_fp8 = jax.vjp(
+      lambda q, k, v: xla_fp8.fp8_attention(q, k, v, seg, AttentionSpec(), True), q, k, v)
   _, vjp_bf16 = jax.vjp(lambda q, k, v: xla_fp8.bf16_attention(q, k, v, seg), q, k, v)
   for a, b in zip(vjp_fp8(g), vjp_bf16(g)):
     np.testing.assert_array_equal(_f32(a), _f32(b))
   assert len(calls) == 3
   calls.clear()
-  xla_fp8.fp8_attention(q[:, :200], k[:, :200], v[:, :200], None, AttentionSpec())
+  xla_fp8.fp8_attention(q[:, :200], k[:, :200], v[:, :200], None, AttentionSpec(), True)
   assert calls == []
 
 
@@ -173,3 +176,18 @@ def test_kernel_on_the_gpu_is_its_online_reference(segments):
   assert np.all(np.isfinite(got))
   assert np.abs(got - want).max() <= 0.02 * scale, np.abs(got - want).max() / scale
   assert np.mean(np.abs(got - want) <= np.abs(want) * 2.0 ** -7 + 1e-6) > 0.99
+
+
+def test_the_kernel_is_opt_in_through_the_precision_config():
+  """precision.fp8_attention_kernel reaches fp8_attention (off by default: the kernel's GPU
+  error, session 24); precision.backend=xla keeps the XLA forward either way."""
+  from infir2_jax.precision import PrecisionConfig
+  from infir2_jax.precision.factory import make_dot_general_factory
+  path = "layers_0/self_attn"
+
+  def use_kernel(**kw):
+    attend = make_dot_general_factory(PrecisionConfig(recipe="infir2_fp8attn", **kw)).attention(path)
+    return attend.keywords["use_kernel"]
+  assert use_kernel() is False
+  assert use_kernel(fp8_attention_kernel=True) is True
+  assert use_kernel(fp8_attention_kernel=True, backend="xla") is False

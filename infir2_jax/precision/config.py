@@ -60,6 +60,11 @@ class PrecisionConfig:
       quantize_triton.py, Pallas Triton, issue 33's design 2; bit-identical quantization,
       the same last-bit caveat on the producers). Opt-in for a step comparison; the
       weights' 128x128 blocks stay Mosaic GPU. Elsewhere XLA runs either way.
+    fp8_attention_kernel: recipes with an FP8 attention (infir2_fp8attn) run its forward as
+      the Mosaic GPU kernel on Hopper (precision/kernels/fp8_attention.py) instead of the
+      XLA forward with dense scores. Off: on the H200 the kernel is 10% of max |out| off
+      its reference (session 24, a GPU-only error the interpreter does not show) and 2x
+      slower than cuDNN's BF16 forward. `precision.backend=xla` keeps XLA either way.
   """
   recipe: str = "bf16"
   overrides: tuple[str, ...] = ()
@@ -69,6 +74,7 @@ class PrecisionConfig:
   fused_mlp: bool = True
   fused_mlp_backward: bool = True
   quantize_backend: str = "mosaic"
+  fp8_attention_kernel: bool = False
 
   def __post_init__(self):
     if isinstance(self.overrides, str):

@@ -76,7 +76,8 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
       return None
     if telemetry:
       return TelemetryAttention(spec, name=module_name(path))
-    return functools.partial(fp8_attention.fp8_attention, spec=spec)
+    return functools.partial(fp8_attention.fp8_attention, spec=spec,
+                             use_kernel=cfg.fp8_attention_kernel and cfg.backend != "xla")
 
   factory.gated_mlp = gated_mlp
   factory.attention = attention
