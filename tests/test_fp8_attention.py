@@ -108,6 +108,65 @@ def test_gradients_are_the_bf16_attentions():
   assert float(jnp.abs(vjp_fp8(g)[0]).max()) > 0
 
 
+def test_the_backward_is_the_given_bf16_attentions():
+  """`backward` (the model's own BF16 attention) gives the gradients: a stand-in that is
+  twice the BF16 attention gives exactly twice its gradients, and sees the segment ids."""
+  q, k, v, segments = (jnp.asarray(x, jnp.bfloat16) if x.dtype == np.float32 else x
+                       for x in make_inputs(3))
+  g = jnp.asarray(np.random.default_rng(5).standard_normal((B, L, H, DH)), jnp.bfloat16)
+  seen = []
+
+  def doubled(q, k, v, seg):
+    seen.append(seg)
+    return 2 * bf16_attention(q, k, v, seg)
+  _, vjp_fp8 = jax.vjp(lambda q, k, v: fp8_attention(q, k, v, segments, SPEC, False, doubled),
+                       q, k, v)
+  _, vjp_bf16 = jax.vjp(lambda q, k, v: bf16_attention(q, k, v, segments), q, k, v)
+  for got, want in zip(vjp_fp8(g), vjp_bf16(g)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  2 * np.asarray(want, np.float32))
+  assert len(seen) == 1 and np.array_equal(np.asarray(seen[0]), np.asarray(segments))
+
+
+def test_the_model_hands_its_own_bf16_attention_to_the_backward(monkeypatch):
+  """In the model the FP8 attention's backward is model/attention.bf16_train_attention (on a
+  GPU cuDNN's packed kernel, not XLA's dense scores), called with the model's config and
+  the segment ids; on the CPU its gradients equal fp8_attention's default ones."""
+  import flax.linen as nn
+  from infir2_jax.model import ModelConfig, Qwen2
+  from infir2_jax.model import attention as attention_mod
+  cfg = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=128, dtype="bfloat16",
+                    attention="xla", remat="none")
+  rng = np.random.default_rng(6)
+  tokens = jnp.asarray(rng.integers(0, 256, (1, 128)), jnp.int32)
+  segments = jnp.asarray([[1] * 50 + [2] * 78], jnp.int32)
+  positions = jnp.asarray([list(range(50)) + list(range(78))], jnp.int32)
+  model = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(backend="xla",
+                                                              recipe="infir2_fp8attn")))
+  params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+  loss = lambda p: jnp.mean(model.apply({"params": p}, tokens, positions, segments)
+                            .astype(jnp.float32) ** 2)
+  reference = jax.jit(jax.grad(loss))(params)   # the backward the model hands over
+  calls = []
+  real = attention_mod.bf16_train_attention
+
+  def recorded(config, *args):
+    calls.append((config, args[3]))
+    return real(config, *args)
+  monkeypatch.setattr(attention_mod, "bf16_train_attention", recorded)
+  got = jax.jit(jax.grad(loss))(params)
+  assert len(calls) == 1 and calls[0][0] is cfg and calls[0][1].shape == (1, 128)
+  monkeypatch.setattr(attention_mod, "bf16_train_attention",
+                      lambda config, q, k, v, seg: bf16_attention(q, k, v, seg))
+  xla_dense = jax.jit(jax.grad(loss))(params)
+  for a, b, c in zip(jax.tree.leaves(got), jax.tree.leaves(reference),
+                     jax.tree.leaves(xla_dense)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32),
+                               rtol=0.05, atol=1e-3)
+
+
 def test_quantization_stats_count_flushed_probabilities():
   """p_flush is the share of attended (normal float32) probabilities whose E4M3 code is 0,
   counted again here in float64; peaked scores (large q, k) flush many, flat ones none; the operands'

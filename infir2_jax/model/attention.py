@@ -13,6 +13,8 @@ Shape legend: B batch, L length, T tokens fed in one decoding call, S cache slot
 heads, K key/value heads, Dh head size, D width.
 """
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -84,6 +86,31 @@ def check_documents(segment_ids_BxL, cfg: ModelConfig) -> None:
         "model.attention_mask='causal' to attend across documents")
 
 
+def bf16_train_attention(cfg: ModelConfig, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh,
+                         segment_ids_BxL):
+  """The training attention in BF16: causal, within documents where segment ids are given
+  (None: over the whole row). On cuDNN documents run as its packed layout (or FA3 varlen,
+  model.document_kernel); XLA applies the dense mask. Also the backward of the FP8
+  attention (its gradients are this function's)."""
+  impl = implementation(cfg)
+  if segment_ids_BxL is not None and impl == "cudnn":
+    q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, _ = shard_for_cudnn(
+        q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, None)
+    segment_ids_BxL = nn.with_logical_constraint(segment_ids_BxL, ("batch", None))
+    if cfg.document_kernel == "fa3_varlen":
+      return packed_attention.fa3_varlen(
+          q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
+          q_BxLxHxDh.shape[0] * cfg.max_documents)
+    return packed_attention.cudnn_packed(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh,
+                                         segment_ids_BxL, cfg.max_documents)
+  mask_Bx1xLxL = None if segment_ids_BxL is None else segment_mask(segment_ids_BxL)
+  if impl == "cudnn":
+    q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL = shard_for_cudnn(
+        q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL)
+  return jax.nn.dot_product_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=mask_Bx1xLxL,
+                                      is_causal=True, implementation=impl)
+
+
 class Attention(nn.Module):
   """Grouped-query self-attention with q/k/v biases; softmax in float32."""
   config: ModelConfig
@@ -123,27 +150,14 @@ class Attention(nn.Module):
 
   def _train_attention(self, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL):
     document = self.config.attention_mask == "document"
+    segment_ids_BxL = segment_ids_BxL if document else None
     fp8_attention = getattr(self.dot_general_factory, "attention", None)
     attend = fp8_attention(module_path(self)) if fp8_attention is not None else None
     if attend is not None:   # a recipe with FP8 attention (precision/fp8_attention.py)
-      return attend(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL if document else None)
-    impl = implementation(self.config)
-    if document and impl == "cudnn":
-      q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, _ = shard_for_cudnn(
-          q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, None)
-      segment_ids_BxL = nn.with_logical_constraint(segment_ids_BxL, ("batch", None))
-      if self.config.document_kernel == "fa3_varlen":
-        return packed_attention.fa3_varlen(
-            q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
-            q_BxLxHxDh.shape[0] * self.config.max_documents)
-      return packed_attention.cudnn_packed(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh,
-                                           segment_ids_BxL, self.config.max_documents)
-    mask_Bx1xLxL = segment_mask(segment_ids_BxL) if document else None
-    if impl == "cudnn":
-      q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL = shard_for_cudnn(
-          q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL)
-    return jax.nn.dot_product_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask=mask_Bx1xLxL,
-                                        is_causal=True, implementation=impl)
+      return attend(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
+                    backward=functools.partial(bf16_train_attention, self.config))
+    return bf16_train_attention(self.config, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh,
+                                segment_ids_BxL)
 
   def _append_to_cache(self, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT):
     """Writes this call's keys, values and segment ids at the cache's index; returns

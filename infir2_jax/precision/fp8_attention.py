@@ -120,13 +120,16 @@ def _kernel_module(q, k, v, segment_ids, use_kernel: bool):
   return kernel if kernel.supports(q, k, v, segment_ids) else None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def fp8_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL, spec: AttentionSpec,
-                  use_kernel: bool = False):
+                  use_kernel: bool = False, backward=None):
   """Causal (document-masked where segment ids are given) GQA attention, FP8 forward.
 
   q [B, L, H, Dh], k and v [B, L, K, Dh] (H a multiple of K), segment_ids [B, L] int or
-  None. Returns [B, L, H, Dh] in q's dtype. Gradients: the BF16 attention's (module doc).
+  None. Returns [B, L, H, Dh] in q's dtype. Gradients: the BF16 attention's (module doc):
+  those of `backward(q, k, v, segment_ids)`, the model's own BF16 attention (on a GPU
+  cuDNN's packed kernel, model/attention.bf16_train_attention, which recomputes its forward
+  for them), or where None `bf16_attention` (XLA, dense [L, L] scores).
   With use_kernel (precision.fp8_attention_kernel), on a Hopper GPU the forward is the
   Mosaic GPU kernel (precision/kernels/fp8_attention.py: one pass, running max; head dim
   128, rows a multiple of 128, contiguous documents) where it takes the shapes; elsewhere,
@@ -154,14 +157,16 @@ def operand_stats(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
   return jnp.stack([quant_error.operand_stats(*operands[name]) for name in OPERANDS])
 
 
-def _fp8_attention_fwd(q, k, v, segment_ids, spec, use_kernel):
-  return fp8_attention(q, k, v, segment_ids, spec, use_kernel), (q, k, v, segment_ids)
+def _fp8_attention_fwd(q, k, v, segment_ids, spec, use_kernel, backward):
+  out = fp8_attention(q, k, v, segment_ids, spec, use_kernel, backward)
+  return out, (q, k, v, segment_ids)
 
 
-def _fp8_attention_bwd(spec, use_kernel, residuals, g):
+def _fp8_attention_bwd(spec, use_kernel, backward, residuals, g):
   del spec, use_kernel
   q, k, v, segment_ids = residuals
-  _, vjp = jax.vjp(lambda q, k, v: bf16_attention(q, k, v, segment_ids), q, k, v)
+  attend = bf16_attention if backward is None else backward
+  _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, segment_ids), q, k, v)
   return (*vjp(g), None)
 
 

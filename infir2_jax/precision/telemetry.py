@@ -74,12 +74,12 @@ class TelemetryAttention(nn.Module):
   BF16, so it has no sink."""
   spec: AttentionSpec
 
-  def __call__(self, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL):
+  def __call__(self, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL, backward=None):
     inputs = [jax.lax.stop_gradient(x) for x in (q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh)]
     stats = fp8_attention.operand_stats(*inputs, segment_ids_BxL, self.spec)
     self.sow(STATS, "attention", stats, init_fn=lambda: None, reduce_fn=lambda _, new: new)
     return fp8_attention.fp8_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
-                                       self.spec)
+                                       self.spec, False, backward)
 
 
 def init_sinks(model: nn.Module, *init_args, **init_kwargs):
