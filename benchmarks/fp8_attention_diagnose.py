@@ -13,6 +13,7 @@ asynchrony, so this script separates them, each stage against an exact reference
             flat and peaked logits, with and without documents.
   mgpu      JAX's own Mosaic GPU FlashAttention-3 against cuDNN, causal, H == K (is the
             benchmark's 3.08 difference a mismatch of conventions or of results?).
+  speed     the forward at 2 x 8192: default, with the warpgroups' ping-pong, cuDNN BF16.
   PYTHONPATH=. python3 benchmarks/fp8_attention_diagnose.py --out /tmp/diag.json
   PYTHONPATH=. python3 benchmarks/fp8_attention_diagnose.py --interpret --stages pv_path  # CPU
 """
@@ -203,7 +204,47 @@ def toolchain() -> dict:
   return out
 
 
-STAGES = {"pv_path": pv_path, "one_hot": one_hot, "errors": errors, "mgpu": mgpu}
+def speed(interpret: bool) -> dict:
+  """Forward time at 1.5B's 2 x 8192 (GQA 12/2, one document): the default config against
+  the ping-pong of the warpgroups (schedule_barrier) and cuDNN's BF16 causal forward, side by
+  side, median wall time of 20 calls after a warm-up (ratios, not CUPTI sums)."""
+  if interpret:
+    return {"skipped": "GPU only"}
+  import time
+  rng = np.random.default_rng(0)
+  b, length = 2, 8192
+  q = jnp.asarray(rng.standard_normal((b, length, 12, 128)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.standard_normal((b, length, 2, 128)), jnp.bfloat16) for _ in range(2))
+  variants = {
+      "cudnn_bf16_causal": jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, implementation="cudnn")),
+      "fp8_default": lambda q, k, v: fa.fp8_attention_forward(q, k, v, None),
+      "fp8_schedule_barrier": lambda q, k, v: fa.fp8_attention_forward(
+          q, k, v, None, config=fa.AttentionConfig(schedule_barrier=True)),
+  }
+  want = np.asarray(jax.jit(fa.online_reference)(q[:, :2048], k[:, :2048], v[:, :2048], None),
+                    np.float32)
+  res = {}
+  for name, fn in variants.items():
+    try:
+      jax.block_until_ready(fn(q, k, v))
+      times = []
+      for _ in range(20):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(q, k, v))
+        times.append(time.perf_counter() - t0)
+      res[name] = {"ms": 1e3 * float(np.median(times))}
+      if name.startswith("fp8"):
+        got = np.asarray(fn(q[:, :2048], k[:, :2048], v[:, :2048]), np.float32)
+        res[name]["max_abs_err_2048"] = float(np.abs(got - want).max())
+    except Exception as e:
+      res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+  print("speed", res, flush=True)
+  return res
+
+
+STAGES = {"pv_path": pv_path, "one_hot": one_hot, "errors": errors, "mgpu": mgpu,
+          "speed": speed}
 
 
 def main(argv):

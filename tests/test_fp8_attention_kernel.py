@@ -40,14 +40,19 @@ def _interpret(*args, **kw):
 DOCS_512 = np.repeat(np.arange(1, 4), [100, 50, 362])[None].astype(np.int32)
 
 
-@pytest.mark.parametrize("segments,fmt", [(None, "e4m3"), (DOCS_512, "e4m3"),
-                                          (DOCS_512, "e5m2")], ids=["causal", "docs", "e5m2"])
-def test_kernel_is_its_online_reference(segments, fmt):
+PINGPONG = kernel.AttentionConfig(schedule_barrier=True)
+
+
+@pytest.mark.parametrize("segments,fmt,config", [
+    (None, "e4m3", kernel.DEFAULT_CONFIG), (DOCS_512, "e4m3", kernel.DEFAULT_CONFIG),
+    (DOCS_512, "e5m2", kernel.DEFAULT_CONFIG), (DOCS_512, "e4m3", PINGPONG)],
+    ids=["causal", "docs", "e5m2", "docs_pingpong"])
+def test_kernel_is_its_online_reference(segments, fmt, config):
   """Equal but for float32 summation order (WGMMA vs XLA's dot): a few outputs in 10^5
-  one bf16 unit apart."""
+  one bf16 unit apart. The warpgroups' ping-pong (schedule_barrier) changes no number."""
   q, k, v = _inputs(512)
   seg = None if segments is None else jnp.asarray(segments)
-  got = _interpret(q, k, v, seg, fmt=fmt)
+  got = _interpret(q, k, v, seg, fmt=fmt, config=config)
   want = kernel.online_reference(q, k, v, seg, fmt=fmt)
   assert got.dtype == jnp.bfloat16 and got.shape == q.shape
   got32, want32 = _f32(got), _f32(want)

@@ -65,10 +65,14 @@ class AttentionConfig:
     max_concurrent_steps: KV blocks in flight in the TMA pipeline (>= 2).
     approx_math: Mosaic GPU's approximate exp2 and division (the only field that may move
       a last bit of P~, hence an FP8 code of P).
+    schedule_barrier: FA3's ping-pong of the two compute warpgroups (JAX's
+      attention_mgpu.py `use_schedule_barrier`): a shared barrier offsets them by half a
+      KV step, so one's softmax runs while the other's WGMMAs hold the tensor cores.
   """
   block_q: int = 64
   max_concurrent_steps: int = 2
   approx_math: bool = True
+  schedule_barrier: bool = False
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_q <= 0:
@@ -218,9 +222,21 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
   smem, barriers = scoped
   (q_smem2, o_smem2, sq_smem2, qseg_smem2, k_smem, vt_smem, sk_smem, sv_smem, kvseg_smem,
    kvlo_smem, p_smem2) = smem
-  q_bars, lo_bar, k_bars, v_bars, k_consumed, v_consumed = barriers
+  q_bars, lo_bar, k_bars, v_bars, k_consumed, v_consumed, schedule = barriers
   cta_base = q_tile * (2 * bq)
   i32 = jnp.int32
+
+  def schedule_arrive():
+    if config.schedule_barrier:
+      plgpu.barrier_arrive(schedule)
+
+  def schedule_wait():
+    if config.schedule_barrier:
+      plgpu.barrier_wait(schedule)
+
+  def rendezvous():   # FA3's perform_schedule_barrier
+    schedule_arrive()
+    schedule_wait()
 
   def kv_range():
     """[lo, hi): the KV blocks this CTA visits (after its first row's document start, up to
@@ -257,6 +273,7 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
     first_full = lax.div(kvlo_smem[2 * q_tile + wg] + bkv - 1, i32(bkv))
     u0 = jnp.where(one_doc, jnp.clip(first_full, lo, hi), hi)
     u1 = jnp.clip(lax.div(q_base + 1, i32(bkv)), u0, hi)
+    pl.when(wg == 1)(rendezvous)   # warpgroup 1 starts half a step behind
 
     def kv_step(r, carry):
       acc, m_i, l_i = carry
@@ -266,6 +283,7 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+        rendezvous()
         return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
       raw = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
       sk = plgpu.load(sk_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -293,7 +311,9 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
       sp = scale_from_amax(amax, fmt, scale_format)
       p8 = quantize_values(p, lax.broadcast_in_dim(1.0 / sp, p.shape, (0,)), fmt)
       l_i = l_i * alpha + p.sum(axis=1)
+      schedule_arrive()                      # done with the softmax
       plgpu.barrier_wait(v_bars.at[slot])
+      schedule_wait()                        # the tensor cores are free
 
       p_smem[...] = p8      # PV's A operand goes through shared memory (module doc)
       plgpu.commit_smem()
@@ -317,7 +337,10 @@ def _kernel(q_gmem, sq_gmem, k_gmem, sk_gmem, vt_gmem, sv_gmem, seg_gmem, kvlo_g
       plgpu.barrier_wait(v_bars.at[slot])
       plgpu.barrier_arrive(k_consumed.at[slot])
       plgpu.barrier_arrive(v_consumed.at[slot])
+      rendezvous()
+      rendezvous()
     lax.fori_loop(hi - lo, cta_hi - lo, release, None)
+    pl.when(wg == 0)(rendezvous)
 
     out = acc / lax.broadcast_in_dim(l_i, acc.shape, (0,))
     o_smem[...] = out.astype(o_smem.dtype)
@@ -398,6 +421,7 @@ def _build(shapes, config: AttentionConfig, groups: int, fmt: str, scale_format:
         plgpu.Barrier(num_arrivals=2, num_barriers=steps),      # v8^T, sv
         plgpu.Barrier(num_arrivals=2, num_barriers=steps),      # K consumed by both WGs
         plgpu.Barrier(num_arrivals=2, num_barriers=steps),      # V consumed by both WGs
+        plgpu.Barrier(num_arrivals=2),                          # the schedule (ping-pong)
     )
     pl.run_scoped(
         lambda *scoped: _kernel(*ins, out_gmem, (scoped[:len(smem)], scoped[len(smem):]),
