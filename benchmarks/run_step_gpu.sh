@@ -42,8 +42,8 @@
 #        moments, the fused loss and the fused FP8 AdamW step under save_dots and save_dots_fp8),
 #        triton (1.5B at 2 x 8192, profiled: bf16, the default infir2, that with
 #        precision.quantize_backend=triton: issue 33's Triton quantizers in the step),
-#        7bunrolled (7B at 4 x 4096, full remat, unrolled: bf16, infir2, and infir2 with fp8
-#        moments, the fused loss and the fused FP8 AdamW step),
+#        7bunrolled (7B at 4 x 4096, full remat, unrolled: bf16, infir2 with fp8 moments, the
+#        fused loss and the fused FP8 AdamW step (the <= 78 GiB candidate), infir2),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
 set -o pipefail
@@ -241,7 +241,7 @@ elif [[ $STAGE == 7bunrolled ]]; then
   # then the <= 78 GiB candidate (unrolled, FP8 moments with the fused step, the fused loss).
   U=model.scan_layers=False; M=opt.moments=fp8~model.loss_chunk=2048~model.loss_fused=True
   timeout $((DEADLINE + 240)) python3 benchmarks/train_step.py --config=configs/7b.py \
-    --recipes=bf16~$U,infir2~$U,infir2~$U~$M \
+    --recipes=bf16~$U,infir2~$U~$M,infir2~$U \
     --seq_lens=4096 "${COMMON[@]}" --override=steps=14 --steps=10 --variant_timeout_s=240 \
     --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 \
     | grep -vE "onstant.folding|slow_operation|^$" | tail -30
