@@ -9,6 +9,8 @@ asynchrony, so this script separates them, each stage against an exact reference
             A wrong store shows in (a), a wrong A-from-smem WGMMA in (b).
   one_hot   the kernel with each query row attending to one key (a huge logit) and V
             encoding the key index: out says which key each row took.
+  scales    one_hot with one operand's scales unequal at a time (K rows, Q rows, V columns,
+            V blocks): which scale, if any, lands on the wrong row, column or block.
   errors    the kernel against online_reference by row within the CTA and by KV block, for
             flat and peaked logits, with and without documents.
   mgpu      JAX's own Mosaic GPU FlashAttention-3 against cuDNN, causal, H == K (is the
@@ -127,6 +129,37 @@ def one_hot(interpret: bool, length: int = 512) -> dict:
   return res
 
 
+def scales(interpret: bool, length: int = 512) -> dict:
+  """One-hot attention (as `one_hot`, target logit doubled) with one operand's scales made
+  unequal by powers of two, one case at a time: K's rows (sk per key), Q's rows (sq), V's
+  columns (sv per head-dim column), V's 128-token blocks (sv per block). Session 24's GPU
+  run: one_hot exact, random inputs 1-2% off; one_hot has every scale equal, so a scale
+  applied to the wrong row, column or block shows here and nowhere in one_hot."""
+  rng = np.random.default_rng(7)
+  codes = rng.choice([-1.0, 1.0], (length, 128))
+  target = np.arange(length) - np.arange(length) % 3
+  pow2 = lambda lo, hi, n: 2.0 ** rng.integers(lo, hi + 1, n)
+  cases = {"none": {}, "k_rows": {"k": pow2(-1, 0, length)[:, None]},
+           "q_rows": {"q": pow2(0, 1, length)[:, None]},
+           "v_cols": {"v": pow2(-2, 2, 128)[None, :]},
+           "v_blocks": {"v": np.repeat(pow2(-2, 2, length // 128), 128)[:, None]}}
+  out = {}
+  for name, mult in cases.items():
+    q = (codes[target] * 4.0 * mult.get("q", 1.0))[None, :, None]
+    k = (codes * mult.get("k", 1.0))[None, :, None]
+    v = ((np.arange(length) % 16 / 2.0)[:, None] * np.ones((1, 128)) * mult.get("v", 1.0))[None, :, None]
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    got = np.asarray(fa.fp8_attention_forward(q, k, v, None, interpret=interpret), np.float32)
+    want = np.asarray(jax.jit(fa.online_reference)(q, k, v, None), np.float32)
+    e = np.abs(got - want)[0, :, 0]                                   # [L, Dh]
+    out[name] = {"max_abs_err": float(e.max()), "max_abs": float(np.abs(want).max()),
+                 "bad_rows": int((e.max(1) > 0.02 * np.abs(want).max()).sum()),
+                 "bad_cols": int((e.max(0) > 0.02 * np.abs(want).max()).sum()),
+                 "first_bad_rows": np.flatnonzero(e.max(1) > 0.02 * np.abs(want).max())[:8].tolist()}
+    print("scales", name, out[name], flush=True)
+  return out
+
+
 def errors(interpret: bool, length: int = 2048) -> dict:
   rng = np.random.default_rng(5)
   out = {}
@@ -243,8 +276,8 @@ def speed(interpret: bool) -> dict:
   return res
 
 
-STAGES = {"pv_path": pv_path, "one_hot": one_hot, "errors": errors, "mgpu": mgpu,
-          "speed": speed}
+STAGES = {"pv_path": pv_path, "one_hot": one_hot, "scales": scales, "errors": errors,
+          "speed": speed, "mgpu": mgpu}
 
 
 def main(argv):
