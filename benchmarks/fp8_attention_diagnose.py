@@ -142,12 +142,17 @@ def scales(interpret: bool, length: int = 512) -> dict:
   cases = {"none": {}, "k_rows": {"k": pow2(-1, 0, length)[:, None]},
            "q_rows": {"q": pow2(0, 1, length)[:, None]},
            "v_cols": {"v": pow2(-2, 2, 128)[None, :]},
-           "v_blocks": {"v": np.repeat(pow2(-2, 2, length // 128), 128)[:, None]}}
+           "v_blocks": {"v": np.repeat(pow2(-2, 2, length // 128), 128)[:, None]},
+           # flat P (q = 0: every allowed p~ is 1, P8 = 256 exactly) with random V: the PV
+           # sums of many nonzero terms, no exp2 and no peak
+           "flat_random_v": {"q": 0.0, "v_random": True}}
   out = {}
   for name, mult in cases.items():
     q = (codes[target] * 4.0 * mult.get("q", 1.0))[None, :, None]
     k = (codes * mult.get("k", 1.0))[None, :, None]
     v = ((np.arange(length) % 16 / 2.0)[:, None] * np.ones((1, 128)) * mult.get("v", 1.0))[None, :, None]
+    if mult.get("v_random"):
+      v = rng.standard_normal((1, length, 1, 128))
     q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
     got = np.asarray(fa.fp8_attention_forward(q, k, v, None, interpret=interpret), np.float32)
     want = np.asarray(jax.jit(fa.online_reference)(q, k, v, None), np.float32)

@@ -1,6 +1,8 @@
 #!/bin/bash
 # Kernel GPU tests + GEMM and quantization benchmarks on one Hopper GPU; everything lands in $OUT.
 #   OUT=/tmp/out bash benchmarks/run_kernels_gpu.sh [all|tests|gemm|quantize|wgrad|fusedpipe|attn|triton] [gemm deadline s] [models]
+# attndiag: issue 39, benchmarks/fp8_attention_diagnose.py (which scale, if any, lands wrong;
+# errors by row and block; the forward with and without the warpgroups' ping-pong vs cuDNN).
 # attn: issue 39 at 1.5B / 2 x 8192: the FP8 attention kernel's GPU test, then
 # benchmarks/attention.py, the forward alone first (the kernel against cuDNN dense, causal
 # and packed and JAX's Mosaic GPU FlashAttention-3), then fwd+bwd.
@@ -58,6 +60,11 @@ fi
 if [[ $STAGE == triton ]]; then  # issue 33: Mosaic vs Triton (8/16/32 warps) vs XLA quantizers
   timeout 200 python3 benchmarks/quantize_backends.py --out "$OUT/quantize_backends_h200.json" \
     2>&1 | grep -vE "^W0000|^I0000|^$" | tee "$OUT/quantize_backends.log" | tail -12
+fi
+if [[ $STAGE == attndiag ]]; then  # issue 39: where the kernel departs from its reference on the GPU
+  timeout 200 python3 benchmarks/fp8_attention_diagnose.py --stages scales,errors,speed,mgpu \
+    --out "$OUT/fp8_attention_diagnose_h200.json" 2>&1 | grep -vE "^W0000|^I0000|^$" \
+    | cut -c1-1500 | tee "$OUT/fp8_attention_diagnose.log" | tail -16
 fi
 if [[ $STAGE == attn ]]; then  # issue 39: our FP8 forward kernel against the BF16 kernels
   timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_attention_kernel.py \
