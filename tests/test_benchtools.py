@@ -54,3 +54,26 @@ def test_samples_the_gpu_the_process_computes_on(tmp_path, monkeypatch, visible,
   with GpuTelemetry(interval_ms=20, executable=str(fake)):
     time.sleep(0.2)
   assert expected in args_file.read_text().split()
+
+
+def test_source_digest_names_the_code_not_the_git_metadata(tmp_path):
+  """The digest of a copy of the sources equals the repository's, moves when one source
+  byte changes (and back when it is restored), ignores what is not Python source, and
+  run_info carries it."""
+  import shutil
+  from infir2_jax.bench import tools
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for top in tools.SOURCE_DIRS:
+    shutil.copytree(os.path.join(root, top), tmp_path / top,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.json", "*.log", "*.png"))
+  here = tools.source_digest(root)
+  assert tools.source_digest(str(tmp_path)) == here and len(here) == 16
+  (tmp_path / "benchmarks" / "notes.txt").write_text("not source")
+  assert tools.source_digest(str(tmp_path)) == here
+  target = tmp_path / "infir2_jax" / "precision" / "formats.py"
+  original = target.read_bytes()
+  target.write_bytes(original + b"\n")
+  assert tools.source_digest(str(tmp_path)) != here
+  target.write_bytes(original)
+  assert tools.source_digest(str(tmp_path)) == here
+  assert tools.run_info(["x"], with_device=False)["source_digest"] == here

@@ -125,6 +125,28 @@ def compile_train_step(cfg, devices=None) -> CompiledStep:
                       batch_sharding)
 
 
+SOURCE_DIRS = ("infir2_jax", "configs", "benchmarks")
+
+
+def source_digest(root: "str | None" = None) -> str:
+  """sha256 (first 16 hex digits) of the Python sources under SOURCE_DIRS, by relative path
+  and content, read from the files themselves: it names the code a result came from even
+  where the device machine's copy of .git is stale (session 24's results named the commit
+  of an earlier call). Recompute it at a commit to match a results file to that commit."""
+  import hashlib
+  root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  digest = hashlib.sha256()
+  for top in SOURCE_DIRS:
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, top)):
+      dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+      for name in sorted(f for f in filenames if f.endswith(".py")):
+        path = os.path.join(dirpath, name)
+        digest.update(os.path.relpath(path, root).encode() + b"\0")
+        with open(path, "rb") as fh:
+          digest.update(fh.read() + b"\0")
+  return digest.hexdigest()[:16]
+
+
 def run_info(argv, with_device: bool = True):
   """Command, commit, device and versions for a results file.
 
@@ -147,6 +169,7 @@ def run_info(argv, with_device: bool = True):
       "git_dirty": (bool(git("status", "--porcelain")) if in_checkout
                     else {"true": True, "false": False}.get(
                         os.environ.get("INFIR2_GIT_DIRTY", "").lower(), "unknown")),
+      "source_digest": source_digest(),
       "device": getattr(dev, "device_kind", str(dev)) if with_device else "see each result",
       "num_sms": getattr(dev, "core_count", None),
       "jax_version": jax.__version__,
