@@ -1,6 +1,6 @@
 #!/bin/bash
 # Kernel GPU tests + GEMM and quantization benchmarks on one Hopper GPU; everything lands in $OUT.
-#   OUT=/tmp/out bash benchmarks/run_kernels_gpu.sh [all|tests|gemm|quantize|wgrad|fusedpipe|attn|triton] [gemm deadline s] [models]
+#   OUT=/tmp/out bash benchmarks/run_kernels_gpu.sh [all|tests|gemm|quantize|wgrad|fusedpipe|attn|attndiag|triton] [gemm deadline s] [models]
 # attndiag: issue 39, benchmarks/fp8_attention_diagnose.py (which scale, if any, lands wrong;
 # errors by row and block; the forward with and without the warpgroups' ping-pong vs cuDNN).
 # attn: issue 39 at 1.5B / 2 x 8192: the FP8 attention kernel's GPU test, then

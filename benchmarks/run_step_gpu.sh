@@ -212,8 +212,9 @@ elif [[ $STAGE == lean ]]; then
     | grep -vE "onstant.folding|slow_operation|^$" | tail -30
 elif [[ $STAGE == triton ]]; then
   # Issue 33's design 2 in the step, after run_kernels_gpu.sh triton shows the kernels alone
-  # faster: the default infir2 with the fused SwiGLU quantizers as Pallas Triton kernels
-  # (precision.quantize_backend=triton) against the Mosaic ones, and bf16, in one run.
+  # faster: the default infir2 with every 1x128 quantizer (X, dY, SwiGLU's) as a Pallas
+  # Triton kernel (precision.quantize_backend=triton) against the Mosaic ones, and bf16.
+  # Session 24: the kernels alone were 2.2-3.1x slower, so this stage was not run.
   timeout $((DEADLINE + 220)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
     --recipes=bf16,infir2,infir2~precision.quantize_backend=triton \
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \

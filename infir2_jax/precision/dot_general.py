@@ -116,8 +116,9 @@ def quantize_rows(plan: GemmPlan, x_MxK, spec: OperandSpec, spec_t: "OperandSpec
     xt = None if spec_t is None else transposed_operand(xq, x_MxK, spec_t, plan.compute_dtype)
     return xq, xt
   both = spec_t is not None and spec_t.quantized
-  out = tile_quantizer(kernels, plan.quantize_backend)(x_MxK, fmt=spec.fmt, scale_format=spec.scale_format,
-                               with_transpose=both)
+  quantize_tiles = tile_quantizer(kernels, plan.quantize_backend)
+  out = quantize_tiles(x_MxK, fmt=spec.fmt, scale_format=spec.scale_format,
+                       with_transpose=both)
   xq = QTensor(out[0], out[1], resolve_tile(spec.tile, x_MxK.shape), spec.scale_format)
   if spec_t is None:
     return xq, None
@@ -282,6 +283,7 @@ def quantized_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=No
 
 
 def check_quantize_backend(quantize_backend: str) -> str:
+  """quantize_backend, or a ValueError naming the valid ones."""
   if quantize_backend not in QUANTIZE_BACKENDS:
     raise ValueError(f"quantize_backend={quantize_backend!r}: one of {QUANTIZE_BACKENDS}")
   return quantize_backend
