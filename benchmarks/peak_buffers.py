@@ -102,21 +102,23 @@ def parse_memory_usage(text: str, top: int = 12) -> dict:
   return {"total_bytes": total, "slices": slices[:top]}
 
 
-def _child(config: str, label: str, seq_len: int, batch_size: int) -> dict:
-  """One deviceless compile with the dump on (runs in its own process)."""
+def _child(config: str, label: str, seq_len: int, batch_size: int, attached: bool) -> dict:
+  """One compile with the dump on (runs in its own process): deviceless, or autotuned on
+  the attached GPU."""
   import sharding_gpu  # benchmarks/
   recipe, *overrides = label.split("~")
   spec = {"config": config, "tiny": False, "recipe": recipe, "seq_len": seq_len,
-          "batch_size": batch_size, "mesh": [1, 1, 1], "devices": 1, "overrides": overrides}
+          "batch_size": batch_size, "mesh": [1, 1, 1], "devices": 1, "overrides": overrides,
+          "attached": attached}
   result = sharding_gpu.aot_one(spec)
   dump = os.environ["INFIR2_PEAK_DUMP"]
-  files = glob.glob(os.path.join(dump, "*jit_train_step*gpu_after_optimizations-live-range.txt"))
+  files = glob.glob(os.path.join(dump, "*jit_train_step*after_optimizations-live-range.txt"))
   if not files:
     raise SystemExit(f"no train-step live-range file in {dump}")
   with open(max(files, key=os.path.getsize)) as f:
     result["peak"] = parse_live_range(f.read())
   reports = glob.glob(os.path.join(
-      dump, "*jit_train_step*gpu_after_optimizations-memory-usage-report.txt"))
+      dump, "*jit_train_step*after_optimizations-memory-usage-report.txt"))
   if reports:
     with open(max(reports, key=os.path.getsize)) as f:
       result["allocation"] = parse_memory_usage(f.read())
@@ -131,15 +133,20 @@ def main(argv):
   p.add_argument("--variants", default="infir2,bf16",
                  help="comma-separated: a recipe with ~a.b=v overrides")
   p.add_argument("--out", default="")
+  p.add_argument("--attached", action="store_true",
+                 help="compile on the attached GPU, autotuned as the trainer's compile is "
+                      "(the deviceless compile leaves autotuned kernels' workspace out)")
   p.add_argument("--child", default="", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
     print("RESULT " + json.dumps(_child(args.config, args.child, args.seq_len,
-                                        args.batch_size)), flush=True)
+                                        args.batch_size, args.attached)), flush=True)
     return
   from infir2_jax.bench import tools as benchtools
-  out = {"info": benchtools.run_info(["benchmarks/peak_buffers.py", *argv], with_device=False),
-         "device": "deviceless compile for the H200 (INFIR2_GPU_TARGET_CONFIG)", "rows": {}}
+  out = {"info": benchtools.run_info(["benchmarks/peak_buffers.py", *argv],
+                                     with_device=args.attached),
+         "device": ("the attached GPU (autotuned compile)" if args.attached else
+                    "deviceless compile for the H200 (INFIR2_GPU_TARGET_CONFIG)"), "rows": {}}
   for label in args.variants.split(","):
     with tempfile.TemporaryDirectory() as dump:
       env = dict(os.environ, INFIR2_PEAK_DUMP=dump,
@@ -148,8 +155,9 @@ def main(argv):
                             " --xla_dump_hlo_pass_re=NONE").strip())
       proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", label,
                              f"--config={args.config}", f"--seq_len={args.seq_len}",
-                             f"--batch_size={args.batch_size}"], env=env, capture_output=True,
-                            text=True, cwd=ROOT)
+                             f"--batch_size={args.batch_size}",
+                             *(["--attached"] if args.attached else [])], env=env,
+                            capture_output=True, text=True, cwd=ROOT)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode or not lines:
       out["rows"][label] = {"error": (proc.stderr or proc.stdout)[-2000:]}

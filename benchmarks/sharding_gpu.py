@@ -195,6 +195,9 @@ def aot_one(spec: dict) -> dict:
   if spec.get("mock"):  # mock NCCL + remote devices: compiles for all, runs nothing
     jax.config.update("jax_mock_gpu_topology", spec["mock"])  # before the backend starts
     devices, how = jax.devices()[:spec["devices"]], f"mock GPU topology {spec['mock']}"
+  elif spec.get("attached"):  # the trainer's own compile: autotuned on the attached GPU
+    devices = jax.devices()[:spec["devices"]]
+    how = f"compiled on the attached {devices[0].device_kind} (autotuned, as the trainer)"
   else:
     devices, how = compile_only_devices(spec["devices"], spec["tiny"])
   if how.startswith("deviceless"):  # compiling for the GPU on a CPU host: as on that GPU
