@@ -45,7 +45,7 @@
 #        7bunrolled (7B at 4 x 4096, full remat, unrolled: bf16, infir2 with fp8 moments, the
 #        fused loss and the fused FP8 AdamW step (the <= 78 GiB candidate), infir2),
 #        7bpeak (issue 35: the <= 78 GiB candidate's buffers from the GPU's own autotuned
-#        compile, then it with loss_chunk 1024 beside infir2 as configs/7b.py has it),
+#        compile, with and without XLA's Triton GEMMs, then its step without them),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
 set -o pipefail
@@ -251,16 +251,20 @@ elif [[ $STAGE == 7bunrolled ]]; then
 elif [[ $STAGE == 7bpeak ]]; then
   # Issue 35: the <= 78 GiB candidate measured 78.9 GiB on the H200 (session 25) where the
   # deviceless compile allocates 74.2: what the autotuned compile adds, from its own buffer
-  # assignment; then the candidate with half the loss chunk beside infir2 as configs/7b.py.
-  U=model.scan_layers=False; M=opt.moments=fp8~model.loss_fused=True
-  timeout 170 python3 benchmarks/peak_buffers.py --attached --config=configs/7b.py \
-    --seq_len=4096 --batch_size=4 --variants=infir2~$U~$M~model.loss_chunk=2048 \
-    --out="$OUT/peak_buffers_7b_attached.json" 2>&1 | grep -vE "^W0000|^I0000" | tail -24
+  # assignment, as XLA picks GEMMs and without XLA's Triton GEMMs (no split-K partials);
+  # then the candidate's step without them.
+  U=model.scan_layers=False; C=infir2~$U~opt.moments=fp8~model.loss_fused=True~model.loss_chunk=2048
+  NT=--xla_gpu_enable_triton_gemm=false
+  timeout 150 python3 benchmarks/peak_buffers.py --attached --config=configs/7b.py \
+    --seq_len=4096 --batch_size=4 --variants=$C \
+    --out="$OUT/peak_buffers_7b_attached.json" 2>&1 | grep -vE "^W0000|^I0000" | tail -16
+  XLA_FLAGS=$NT timeout 150 python3 benchmarks/peak_buffers.py --attached --config=configs/7b.py \
+    --seq_len=4096 --batch_size=4 --variants=$C \
+    --out="$OUT/peak_buffers_7b_attached_no_triton_gemm.json" 2>&1 | grep -vE "^W0000|^I0000" | tail -16
   timeout $((DEADLINE + 230)) python3 benchmarks/train_step.py --config=configs/7b.py \
-    --recipes=infir2~$U~$M~model.loss_chunk=1024,infir2 \
-    --seq_lens=4096 "${COMMON[@]}" --override=steps=14 --steps=10 --variant_timeout_s=230 \
-    --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 \
-    | grep -vE "onstant.folding|slow_operation|^$" | tail -30
+    --recipes=$C~$NT --seq_lens=4096 "${COMMON[@]}" --override=steps=14 --steps=10 \
+    --variant_timeout_s=230 --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 \
+    | grep -vE "onstant.folding|slow_operation|^$" | tail -12
 elif [[ $STAGE == startup ]]; then
   # cold: empty compilation cache; warm: a fresh run with the cache; resume: the warm run
   # continued from its step-3 checkpoint (cache warm, the 17 GiB state restored).
