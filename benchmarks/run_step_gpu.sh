@@ -46,6 +46,8 @@
 #        fused loss and the fused FP8 AdamW step (the <= 78 GiB candidate), infir2),
 #        7bpeak (issue 35: the <= 78 GiB candidate's buffers from the GPU's own autotuned
 #        compile, with and without XLA's Triton GEMMs, then its step without them),
+#        7bfast (7B: bf16 unrolled beside infir2 unrolled with FP8 moments, the fused loss and
+#        save_dots_fp8; then the <= 78 GiB candidate's autotuned buffers with the time left),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
 set -o pipefail
@@ -265,6 +267,22 @@ elif [[ $STAGE == 7bpeak ]]; then
     --recipes=$C~$NT --seq_lens=4096 "${COMMON[@]}" --override=steps=14 --steps=10 \
     --variant_timeout_s=230 --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 \
     | grep -vE "onstant.folding|slow_operation|^$" | tail -12
+elif [[ $STAGE == 7bfast ]]; then
+  # Issues 33/35's 7B speed targets (<= 0.72x the fastest bf16 that fits): bf16 unrolled with
+  # full remat (1547.3 ms, 121.3 GiB in session 25) beside infir2 unrolled with FP8 moments,
+  # the fused loss and save_dots_fp8 (deviceless 119.5 GiB: no recomputed forward); then,
+  # with the time left, the <= 78 GiB candidate's buffers from the autotuned compile.
+  U=model.scan_layers=False; M=opt.moments=fp8~model.loss_fused=True~model.loss_chunk=2048
+  timeout $((DEADLINE + 250)) python3 benchmarks/train_step.py --config=configs/7b.py \
+    --recipes=bf16~$U,infir2~$U~$M~model.remat=save_dots_fp8 --seq_lens=4096 "${COMMON[@]}" \
+    --override=steps=14 --steps=10 --variant_timeout_s=250 --deadline_s="$DEADLINE" \
+    --out="$OUT/train_step_7b_4k.json" 2>&1 | grep -vE "onstant.folding|slow_operation|^$" | tail -14
+  LEFT=$((575 - SECONDS))
+  if (( LEFT > 60 )); then
+    timeout $LEFT python3 benchmarks/peak_buffers.py --attached --config=configs/7b.py \
+      --seq_len=4096 --batch_size=4 --variants=infir2~$U~$M \
+      --out="$OUT/peak_buffers_7b_attached.json" 2>&1 | grep -vE "^W0000|^I0000" | tail -16
+  fi
 elif [[ $STAGE == startup ]]; then
   # cold: empty compilation cache; warm: a fresh run with the cache; resume: the warm run
   # continued from its step-3 checkpoint (cache warm, the 17 GiB state restored).
