@@ -189,6 +189,15 @@ def test_fused_head_loss_is_the_whole_row_loss_bit_for_bit(vocab_axis):
     assert got.dtype == want.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert not np.array_equal(out["chunked"][1][1], grads[1])   # bf16 sums per chunk
+  # The backward keeps the chunks' gradients in bf16 (the head's is [V, D]: 2 GiB less at
+  # 7B than float32); a power-of-two cotangent scales them exactly, as the whole row's.
+  fused = lambda h, w: forms["fused"](h, w)[0]
+  _, vjp = jax.vjp(fused, hidden, weight)
+  kept = [x for x in jax.tree.leaves(vjp) if getattr(x, "shape", ()) in (hidden.shape, shape)]
+  assert kept and all(x.dtype == jnp.bfloat16 for x in kept), [(x.shape, x.dtype) for x in kept]
+  whole_vjp = jax.vjp(lambda h, w: forms["whole"](h, w)[0], hidden, weight)[1]
+  for got, want in zip(vjp(jnp.float32(0.25)), whole_vjp(jnp.float32(0.25))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -311,6 +320,10 @@ def test_bf16_gradients_where_they_are_a_gemm_output_or_a_scanned_slice():
   # the LM head inside model.loss_chunk's scan is cast in every chunk: a float32 sum
   chunked = Qwen2(dataclasses.replace(cfg, loss_chunk=8))
   assert _bf16_gradient_params(chunked, params) == kernels - {"lm_head/kernel"}
+  # ... but the fused head and loss write the head's gradient once, in bf16 (its backward is
+  # marked grads.cotangent_is_buffer): no float32 copy of the [D, V] gradient
+  fused = Qwen2(dataclasses.replace(cfg, loss_chunk=8, loss_fused=True))
+  assert _bf16_gradient_params(fused, params) == kernels
   # the tied embedding's cast copy is used twice (lookup and head): a summed cotangent
   tied = Qwen2(dataclasses.replace(cfg, tie_embeddings=True))
   tied_params = nn.unbox(tied.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
@@ -319,17 +332,20 @@ def test_bf16_gradients_where_they_are_a_gemm_output_or_a_scanned_slice():
   assert not _bf16_gradient_params(Qwen2(dataclasses.replace(cfg, dtype="float32")), params)
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_bf16_gradients_are_the_float32_gradients_bit_for_bit(scan):
+@pytest.mark.parametrize("scan,fused", [(False, False), (True, False), (False, True)])
+def test_bf16_gradients_are_the_float32_gradients_bit_for_bit(scan, fused):
   """The compute-dtype gradients, converted, equal those of the float32 params exactly; the
   step built on them matches one differentiating the float32 params (to float32 rounding
   of two differently fused optimizer graphs). Accumulation: test_gradient_accumulation_*."""
   from infir2_jax.train.step import compute_dtype_grad_fn  # pylint: disable=import-outside-toplevel
-  cfg = dataclasses.replace(TINY, dtype="bfloat16", tie_embeddings=False, scan_layers=scan)
+  cfg = dataclasses.replace(TINY, dtype="bfloat16", tie_embeddings=False, scan_layers=scan,
+                            **({"loss_chunk": 8, "loss_fused": True} if fused else {}))
   model = Qwen2(cfg)
   params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
   batch = make_batch()
   (sums, grads) = jax.jit(compute_dtype_grad_fn(model))(params, batch)
+  if fused:
+    assert grads["lm_head"]["kernel"].dtype == jnp.bfloat16
   (ref_sums, ref_grads) = jax.jit(jax.value_and_grad(
       lambda p, b: loss_sums(model, p, b), has_aux=True))(params, batch)
   assert float(sums[0]) == float(ref_sums[0])

@@ -15,7 +15,8 @@ the float32 conversion can wait for the optimizer's fused update. Any other use 
 float32 gradient: a second cast (the LM head inside model.loss_chunk's scan), a sum of
 contributions (the tied embedding), an elementwise or gather use (norm scales, biases and
 the embedding outside a scan, whose bf16 cotangents XLA may keep in excess precision), or a
-custom derivative (the FP8 projections outside a scan).
+custom derivative (the FP8 projections outside a scan), unless its backward is marked with
+`cotangent_is_buffer` (the fused LM head and loss: model.loss_fused).
 """
 
 from typing import Any
@@ -24,6 +25,26 @@ import jax
 import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
+
+# custom_vjp backwards (their core functions) that write each float input's cotangent as one
+# buffer of the input's dtype: see cotangent_is_buffer.
+_BUFFER_COTANGENT_BWDS: set = set()
+
+
+def cotangent_is_buffer(bwd):
+  """Marks a jax.custom_vjp backward whose cotangent for each float input is one buffer of
+  that input's dtype, rounded once and materialized (an optimization barrier: XLA may not
+  fold the rounding into a later float32 conversion). A param cast to that dtype and passed
+  straight in then keeps its gradient in that dtype (the fused LM head's [V, D] gradient:
+  1 GiB in bf16 at 7B instead of a float32 copy beside it)."""
+  _BUFFER_COTANGENT_BWDS.add(bwd)
+  return bwd
+
+
+def _marked_custom_vjp(eqn) -> bool:
+  bwd = eqn.params.get("bwd")
+  return getattr(bwd, "f", None) in _BUFFER_COTANGENT_BWDS   # lu.WrappedFun's core function
+
 
 # Call-like primitives whose derivative is their body's: follow a value into the body.
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint")
@@ -96,11 +117,14 @@ class _Analysis:
 
   def gradient_is_buffer(self, jaxpr, var) -> bool:
     """var's cotangent is written whole by one op: var is used once, through layout ops, as
-    a dot_general operand or a scan's scanned-over input."""
+    a dot_general operand, a scan's scanned-over input or an input of a custom derivative
+    marked with cotangent_is_buffer."""
     def at_use(jaxpr, eqn, i):
       name = eqn.primitive.name
       if name == "dot_general":
         return True
+      if name == "custom_vjp_call":
+        return _marked_custom_vjp(eqn)
       if name == "scan":   # a const or carry is read every iteration: a summed gradient
         return i >= _scan_consts_and_carry(eqn)
       size_kept = (name == "broadcast_in_dim" and
