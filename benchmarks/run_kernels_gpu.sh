@@ -62,7 +62,7 @@ if [[ $STAGE == triton ]]; then  # issue 33: Mosaic vs Triton (8/16/32 warps) vs
     2>&1 | grep -vE "^W0000|^I0000|^$" | tee "$OUT/quantize_backends.log" | tail -12
 fi
 if [[ $STAGE == attndiag ]]; then  # issue 39: where the kernel departs from its reference on the GPU
-  timeout 200 python3 benchmarks/fp8_attention_diagnose.py --stages scales,errors,speed,mgpu \
+  timeout 200 python3 benchmarks/fp8_attention_diagnose.py --stages exact_s,scales,errors,speed,mgpu \
     --out "$OUT/fp8_attention_diagnose_h200.json" 2>&1 | grep -vE "^W0000|^I0000|^$" \
     | cut -c1-1500 | tee "$OUT/fp8_attention_diagnose.log" | tail -16
 fi
