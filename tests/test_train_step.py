@@ -189,12 +189,8 @@ def test_fused_head_loss_is_the_whole_row_loss_bit_for_bit(vocab_axis):
     assert got.dtype == want.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert not np.array_equal(out["chunked"][1][1], grads[1])   # bf16 sums per chunk
-  # The backward keeps the chunks' gradients in bf16 (the head's is [V, D]: 2 GiB less at
-  # 7B than float32); a power-of-two cotangent scales them exactly, as the whole row's.
-  fused = lambda h, w: forms["fused"](h, w)[0]
-  _, vjp = jax.vjp(fused, hidden, weight)
-  kept = [x for x in jax.tree.leaves(vjp) if getattr(x, "shape", ()) in (hidden.shape, shape)]
-  assert kept and all(x.dtype == jnp.bfloat16 for x in kept), [(x.shape, x.dtype) for x in kept]
+  # a power-of-two cotangent scales the saved gradients exactly, as the whole row's
+  _, vjp = jax.vjp(lambda h, w: forms["fused"](h, w)[0], hidden, weight)
   whole_vjp = jax.vjp(lambda h, w: forms["whole"](h, w)[0], hidden, weight)[1]
   for got, want in zip(vjp(jnp.float32(0.25)), whole_vjp(jnp.float32(0.25))):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

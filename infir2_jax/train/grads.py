@@ -32,11 +32,12 @@ _BUFFER_COTANGENT_BWDS: set = set()
 
 
 def cotangent_is_buffer(bwd):
-  """Marks a jax.custom_vjp backward whose cotangent for each float input is one buffer of
-  that input's dtype, rounded once and materialized (an optimization barrier: XLA may not
-  fold the rounding into a later float32 conversion). A param cast to that dtype and passed
-  straight in then keeps its gradient in that dtype (the fused LM head's [V, D] gradient:
-  1 GiB in bf16 at 7B instead of a float32 copy beside it)."""
+  """Marks a jax.custom_vjp backward whose cotangent for each float input is that input's
+  dtype by construction: computed whole and rounded once to it (as a GEMM's output is). A
+  param cast to that dtype and passed straight in then keeps its gradient in that dtype to
+  the optimizer (the fused LM head's [D, V] gradient: 1 GiB in bf16 at 7B, with no float32
+  copy beside it at the step's peak). The step's optimization barrier on the gradients
+  (train/step.compute_dtype_grad_fn) keeps the rounding."""
   _BUFFER_COTANGENT_BWDS.add(bwd)
   return bwd
 

@@ -94,7 +94,7 @@ def _fused_head_ce(hidden, weight, targets, weights, chunk, vocab_axis, dtypes):
 
 
 def _fused_head_ce_fwd(hidden, weight, targets, weights, chunk, vocab_axis, dtypes):
-  h_dtype, w_dtype = dtypes
+  del dtypes
   d_axis = 1 - vocab_axis
   split = functools.partial(_split_chunks, chunk=chunk)
   # [B, C, D] x weight -> [B, C, V]; [B, C, V] x weight -> [B, C, D]; over the chunk's tokens:
@@ -125,27 +125,22 @@ def _fused_head_ce_fwd(hidden, weight, targets, weights, chunk, vocab_axis, dtyp
   (loss, count, dweight), dh_chunks = jax.lax.scan(
       body, init, (split(hidden), split(targets), split(weights)))
   dh = jnp.moveaxis(dh_chunks, 0, 1).reshape(hidden.shape)
-  # Saved rounded to the inputs' dtypes (under the train step's cotangent, 1, the backward's
-  # product is exact), both through one barrier: XLA schedules a conversion just before its
-  # first use, and the head's gradient is first used by the optimizer, so its float32 sum
-  # (2 GiB at 7B) stayed live through the whole backward; dh is used at once.
-  dh, dweight = jax.lax.optimization_barrier((dh.astype(h_dtype), dweight.astype(w_dtype)))
   return (loss, count), (dh, dweight, targets, weights)
 
 
 @grads_lib.cotangent_is_buffer
 def _fused_head_ce_bwd(chunk, vocab_axis, dtypes, residuals, cotangents):
-  """The saved gradients (float32 sums rounded once to the inputs' dtypes, as the BF16
-  head's GEMMs round their outputs) times the loss sum's cotangent: exact under jax.grad of
-  the sum, as the train step takes it (cotangent 1) or any power of two; another cotangent
-  rounds a second time. The token count has no gradient."""
+  """The saved float32 gradients times the loss sum's cotangent (1 under jax.grad of the
+  sum, as the train step takes it), rounded once to the inputs' dtypes, as the BF16 head's
+  GEMMs round their outputs. The token count has no gradient. Marked cotangent_is_buffer:
+  an untied head's gradient then stays in bf16 to the optimizer (train/grads.py), with no
+  float32 copy of it ([D, V]: 2 GiB at 7B) live at the step's peak."""
   del chunk, vocab_axis
   dh, dweight, targets, weights = residuals
   h_dtype, w_dtype = dtypes
   g = cotangents[0]
-  dh, dweight = jax.lax.optimization_barrier(((dh * g).astype(h_dtype),
-                                              (dweight * g).astype(w_dtype)))  # as above
-  return dh, dweight, np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights)
+  return ((dh * g).astype(h_dtype), (dweight * g).astype(w_dtype),
+          np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(weights))
 
 
 _fused_head_ce.defvjp(_fused_head_ce_fwd, _fused_head_ce_bwd)
