@@ -199,7 +199,7 @@ elif [[ $STAGE == 7bmem ]]; then
   # Issue 35's 7B memory target (<= 78 GiB at no more than infir2's default time): infir2 as
   # configs/7b.py has it (scanned, full remat) and unrolled with FP8
   # moments, the fused loss and the fused FP8 AdamW step (78.9 GiB on the H200 in session 25,
-  # 1255.2 ms; since then the head's gradient stays bf16: deviceless 74.2 -> 73.1 GiB).
+  # 1255.2 ms; since then the untied head's gradient stays bf16: deviceless 74.2 -> 73.1 GiB).
   U=model.scan_layers=False; M=opt.moments=fp8~model.loss_chunk=2048~model.loss_fused=True
   timeout $((DEADLINE + 240)) python3 benchmarks/train_step.py --config=configs/7b.py \
     --recipes=infir2,infir2~$U~$M \
