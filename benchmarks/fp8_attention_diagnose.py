@@ -167,6 +167,12 @@ def scales(interpret: bool, length: int = 512) -> dict:
   return out
 
 
+def _lognormal_documents(rng, length: int) -> jax.Array:
+  """Segment ids [1, length]: 64 documents of lognormal lengths (median 300, >= 16)."""
+  lengths = np.clip(rng.lognormal(np.log(300), 1.0, 64), 16, None).astype(int)
+  return jnp.asarray(np.repeat(np.arange(1, 65), lengths)[None, :length], jnp.int32)
+
+
 def errors(interpret: bool, length: int = 2048) -> dict:
   rng = np.random.default_rng(5)
   out = {}
@@ -177,10 +183,7 @@ def errors(interpret: bool, length: int = 2048) -> dict:
       q = jnp.asarray(rng.standard_normal((1, length, 2, 128)) * scale, jnp.bfloat16)
       k = jnp.asarray(rng.standard_normal((1, length, 1, 128)) * scale, jnp.bfloat16)
       v = jnp.asarray(rng.standard_normal((1, length, 1, 128)), jnp.bfloat16)
-      seg = None
-      if docs:
-        lengths = np.clip(rng.lognormal(np.log(300), 1.0, 64), 16, None).astype(int)
-        seg = jnp.asarray(np.repeat(np.arange(1, 65), lengths)[None, :length], jnp.int32)
+      seg = _lognormal_documents(rng, length) if docs else None
       got = np.asarray(fa.fp8_attention_forward(q, k, v, seg, interpret=interpret,
                                                 config=config), np.float32)
       want = np.asarray(jax.jit(fa.online_reference)(q, k, v, seg), np.float32)
@@ -211,10 +214,7 @@ def exact_s(interpret: bool, length: int = 2048) -> dict:
     q = jnp.asarray(rng.integers(-2, 3, (1, length, 2, 128)), jnp.bfloat16)
     k = jnp.asarray(rng.integers(-2, 3, (1, length, 1, 128)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((1, length, 1, 128)), jnp.bfloat16)
-    seg = None
-    if docs:
-      lengths = np.clip(rng.lognormal(np.log(300), 1.0, 64), 16, None).astype(int)
-      seg = jnp.asarray(np.repeat(np.arange(1, 65), lengths)[None, :length], jnp.int32)
+    seg = _lognormal_documents(rng, length) if docs else None
     got = np.asarray(fa.fp8_attention_forward(q, k, v, seg, interpret=interpret), np.float32)
     want = np.asarray(jax.jit(fa.online_reference)(q, k, v, seg), np.float32)
     ulp = np.maximum(np.abs(want), 2.0 ** -10) * 2.0 ** -7          # one bf16 unit

@@ -1,5 +1,6 @@
 """What is live at a train step's memory peak, by owner, from the GPU compiler's own buffer
-assignment (a deviceless compile for the H200 on a CPU host: no device time).
+assignment (a deviceless compile for the H200 on a CPU host: no device time; with
+--attached, the trainer's own autotuned compile on the attached GPU).
 
   CUDA_ROOT=<dir with bin/ptxas> JAX_PLATFORMS=cpu \\
   INFIR2_GPU_TARGET_CONFIG=$PWD/benchmarks/gpu_target_configs/h200.txtpb PYTHONPATH=. \\
