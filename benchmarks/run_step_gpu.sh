@@ -197,10 +197,11 @@ elif [[ $STAGE == remat ]]; then
     | grep -vE "onstant.folding|slow_operation|^$" | tail -40
 elif [[ $STAGE == 7bmem ]]; then
   # Issue 35's 7B memory target (<= 78 GiB at no more than infir2's default time): infir2 as
-  # configs/7b.py has it (scanned, full remat) and unrolled with FP8
-  # moments, the fused loss and the fused FP8 AdamW step (78.9 GiB on the H200 in session 25,
-  # 1255.2 ms; since then the untied head's gradient stays bf16: deviceless 74.2 -> 73.1 GiB).
-  U=model.scan_layers=False; M=opt.moments=fp8~model.loss_chunk=2048~model.loss_fused=True
+  # configs/7b.py has it (scanned, full remat) and configs/7b.py:lean's settings: unrolled,
+  # FP8 moments (the fused FP8 AdamW step), the fused loss 1024 tokens at a time (with 2048
+  # and float32 layer gradients: 78.9 GiB on the H200 in session 25, 1255.2 ms; since session
+  # 26 every projection's gradient stays bf16: deviceless 74.2 -> 66.7 GiB).
+  U=model.scan_layers=False; M=opt.moments=fp8~model.loss_chunk=1024~model.loss_fused=True
   timeout $((DEADLINE + 240)) python3 benchmarks/train_step.py --config=configs/7b.py \
     --recipes=infir2,infir2~$U~$M \
     --seq_lens=4096 "${COMMON[@]}" --override=steps=14 --steps=10 --variant_timeout_s=240 \
@@ -255,7 +256,7 @@ elif [[ $STAGE == 7bpeak ]]; then
   # deviceless compile allocates 74.2: what the autotuned compile adds, from its own buffer
   # assignment, as XLA picks GEMMs and without XLA's Triton GEMMs (no split-K partials);
   # then the candidate's step without them.
-  U=model.scan_layers=False; C=infir2~$U~opt.moments=fp8~model.loss_fused=True~model.loss_chunk=2048
+  U=model.scan_layers=False; C=infir2~$U~opt.moments=fp8~model.loss_fused=True~model.loss_chunk=1024
   NT=--xla_gpu_enable_triton_gemm=false
   timeout 150 python3 benchmarks/peak_buffers.py --attached --config=configs/7b.py \
     --seq_len=4096 --batch_size=4 --variants=$C \
@@ -282,7 +283,8 @@ elif [[ $STAGE == 7bfast ]]; then
   LEFT=$((575 - SECONDS))
   if (( LEFT > 60 )); then
     timeout $LEFT python3 benchmarks/peak_buffers.py --attached --config=configs/7b.py \
-      --seq_len=4096 --batch_size=4 --variants=infir2~$U~$M \
+      --seq_len=4096 --batch_size=4 \
+      --variants=infir2~$U~opt.moments=fp8~model.loss_fused=True~model.loss_chunk=1024 \
       --out="$OUT/peak_buffers_7b_attached.json" 2>&1 | grep -vE "^W0000|^I0000" | tail -16
   fi
 elif [[ $STAGE == startup ]]; then

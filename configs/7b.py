@@ -22,11 +22,15 @@ def get_config(variant: str | None = None):
   config.model.head_dim = 0            # 3584 / 28 = 128
   config.model.tie_embeddings = False
   config.model.remat = "full"
-  # Scanned, as every 7B row was measured; ":lean" and ":fast" unrolled, as they always were
-  # (deviceless, unrolled full remat allocates 74.2 GiB against 77.1 scanned with FP8 moments).
+  # Scanned, as every 7B row was measured; ":lean" and ":fast" unrolled, as they always were.
   config.model.scan_layers = variant not in ("lean", "fast")
-  # The fused LM head and loss of configs/1p5b.py is timed at 1.5B only; the 7B keeps the
-  # whole-row loss (the chunked one in :lean) until the H200 measures it here.
-  config.model.loss_fused = False
-  config.model.loss_chunk = 2048 if variant == "lean" else 0
+  # The default keeps the whole-row loss, as its rows were measured. ":lean" is issue 35's
+  # <= 78 GiB configuration: FP8 moments (the fused FP8 AdamW step), the fused LM head and
+  # loss 1024 tokens at a time, unrolled full remat. Deviceless it allocates 66.7 GiB, 2048
+  # tokens at a time 70.3 (benchmarks/results/peak_buffers_7b_s26_bf16_fp8_grads.json;
+  # the H200's autotuned compile added 4.4 GiB in session 25). With 2048 and the head's
+  # gradient in float32 it measured 1255.2 ms / 78.9 GiB (session 25).
+  lean = variant == "lean"
+  config.model.loss_fused = lean
+  config.model.loss_chunk = 1024 if lean else 0
   return config

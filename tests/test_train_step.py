@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from infir2_jax.model import ModelConfig, Qwen2
+from infir2_jax.precision import PrecisionConfig, make_dot_general_factory
 from infir2_jax.config import OptConfig
 from infir2_jax.train.optim import decay_mask, make_optimizer, make_schedule
 from infir2_jax.train.step import loss_sums, make_train_step, split_microbatches
@@ -317,9 +318,15 @@ def test_bf16_gradients_where_they_are_a_gemm_output_or_a_scanned_slice():
   chunked = Qwen2(dataclasses.replace(cfg, loss_chunk=8))
   assert _bf16_gradient_params(chunked, params) == kernels - {"lm_head/kernel"}
   # ... but the fused head and loss write the head's gradient once, in bf16 (its backward is
-  # marked grads.cotangent_is_buffer): no float32 copy of the [D, V] gradient
+  # marked precision.cotangents.cotangent_is_buffer): no float32 copy of the [D, V] gradient
   fused = Qwen2(dataclasses.replace(cfg, loss_chunk=8, loss_fused=True))
   assert _bf16_gradient_params(fused, params) == kernels
+  # infir2's FP8 projections and fused MLP write dW in bf16 (their backwards are marked):
+  # unrolled, every projection's kernel too, composed or fused
+  for fused_mlp in (True, False):
+    fp8 = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(
+        recipe="infir2", backend="xla", fused_mlp=fused_mlp)))
+    assert _bf16_gradient_params(fp8, params) == kernels, fused_mlp
   # the tied embedding's cast copy is used twice (lookup and head): a summed cotangent
   tied = Qwen2(dataclasses.replace(cfg, tie_embeddings=True))
   tied_params = nn.unbox(tied.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
@@ -328,15 +335,20 @@ def test_bf16_gradients_where_they_are_a_gemm_output_or_a_scanned_slice():
   assert not _bf16_gradient_params(Qwen2(dataclasses.replace(cfg, dtype="float32")), params)
 
 
-@pytest.mark.parametrize("scan,fused", [(False, False), (True, False), (False, True)])
-def test_bf16_gradients_are_the_float32_gradients_bit_for_bit(scan, fused):
+@pytest.mark.parametrize("scan,fused,recipe", [
+    (False, False, "bf16"), (True, False, "bf16"), (False, True, "bf16"),
+    (False, False, "infir2"), (False, False, "infir2~fused_mlp=False")])
+def test_bf16_gradients_are_the_float32_gradients_bit_for_bit(scan, fused, recipe):
   """The compute-dtype gradients, converted, equal those of the float32 params exactly; the
   step built on them matches one differentiating the float32 params (to float32 rounding
-  of two differently fused optimizer graphs). Accumulation: test_gradient_accumulation_*."""
+  of two differently fused optimizer graphs). Accumulation: test_gradient_accumulation_*.
+  infir2: the FP8 projections' and fused MLP's wgrad GEMMs write dW in bf16."""
   from infir2_jax.train.step import compute_dtype_grad_fn  # pylint: disable=import-outside-toplevel
   cfg = dataclasses.replace(TINY, dtype="bfloat16", tie_embeddings=False, scan_layers=scan,
                             **({"loss_chunk": 8, "loss_fused": True} if fused else {}))
-  model = Qwen2(cfg)
+  name, *fused_mlp = recipe.split("~fused_mlp=")
+  model = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(
+      recipe=name, backend="xla", fused_mlp=not fused_mlp)))
   params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
   batch = make_batch()
   (sums, grads) = jax.jit(compute_dtype_grad_fn(model))(params, batch)
@@ -358,6 +370,45 @@ def test_bf16_gradients_are_the_float32_gradients_bit_for_bit(scan, fused):
   for a, b in zip(jax.tree.leaves((new["params"], new["opt_state"])),
                   jax.tree.leaves((optax.apply_updates(params, updates), ref_opt))):
     np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-8)
+
+
+def test_bf16_gradients_of_per_shard_fp8_projections_are_the_float32_ones_over_8_devices():
+  """infir2's projections and fused MLP run per shard (shard_map) over data 2 x fsdp 2 x
+  tensor 2: the analysis follows the weights into the shard_map, finds every projection's
+  kernel, and its bf16 gradients (summed over the batch axes in bf16 by shard_map's
+  transpose, as before) equal the float32 path's bit for bit."""
+  import functools  # pylint: disable=import-outside-toplevel
+  from infir2_jax import parallel  # pylint: disable=import-outside-toplevel
+  from infir2_jax.model import init_params  # pylint: disable=import-outside-toplevel
+  from infir2_jax.train.step import compute_dtype_grad_fn  # pylint: disable=import-outside-toplevel
+  cfg = dataclasses.replace(TINY, dtype="bfloat16", tie_embeddings=False, hidden_size=256,
+                            intermediate_size=512, num_heads=2, num_kv_heads=2)
+  model = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(recipe="infir2", backend="xla")))
+  mesh_cfg = parallel.MeshConfig(data=2, fsdp=2, tensor=2)
+  mesh = parallel.make_mesh(mesh_cfg)
+  rules = parallel.logical_rules(mesh_cfg, cfg, mesh)
+  state, shardings = parallel.sharded_init(functools.partial(init_params, model),
+                                           optax.sgd(0.1), mesh, rules, jax.random.key(0))
+  batch = make_batch()
+  loss_fn = lambda p, b: loss_sums(model, p, b)
+  from infir2_jax.train.grads import compute_dtypes  # pylint: disable=import-outside-toplevel
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    found = compute_dtypes(loss_fn, state["params"], batch)
+    bf16 = {"/".join(k.key for k in path) for path, v in
+            jax.tree_util.tree_flatten_with_path(found, is_leaf=lambda x: x is None)[0]
+            if v is not None}
+    assert bf16 == {n for n in flax.traverse_util.flatten_dict(state["params"], sep="/")
+                    if n.endswith("/kernel")}
+    jaxpr = str(jax.make_jaxpr(loss_fn)(state["params"], batch))
+    assert "shard_map" in jaxpr   # the per-shard path, not XLA's partitioner
+    in_sh = (shardings["params"], parallel.batch_sharding(mesh, rules))
+    (_, grads) = jax.jit(compute_dtype_grad_fn(model), in_shardings=in_sh)(
+        state["params"], batch)
+    (_, want) = jax.jit(jax.value_and_grad(loss_fn, has_aux=True), in_shardings=in_sh)(
+        state["params"], batch)
+  assert any(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+  for g, ref in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(jax.device_get(want))):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), ref)
 
 
 def test_fused_loss_evaluated_without_gradients_makes_none():

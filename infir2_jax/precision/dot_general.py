@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from infir2_jax.precision import gemm, quant_error
+from infir2_jax.precision import cotangents, gemm, quant_error
 from infir2_jax.precision.gemm import bf16_dot_general
 from infir2_jax.precision.quantize import QTensor, quantize_tensor, resolve_tile
 from infir2_jax.precision.recipes import OperandSpec, Recipe, get_recipe
@@ -213,6 +213,7 @@ def _fp8_matmul_fwd(plan: GemmPlan, x_MxK, w, sink):
   return out, (xt_KxM, w_KxN, bstats)
 
 
+@cotangents.cotangent_is_buffer   # dx and dW: GEMM outputs, each rounded once to its dtype
 def _fp8_matmul_bwd(plan: GemmPlan, res, g):
   r = plan.recipe
   xt_KxM, w_KxN, bstats = res
@@ -238,7 +239,10 @@ _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
 def canonicalize(lhs: jax.Array, rhs: jax.Array, dimension_numbers):
-  """(x_MxK, w_NxK, out_shape) for dimension numbers without batch dims."""
+  """(x_MxK, w, out_shape, stored_kxn) for dimension numbers without batch dims: w is
+  [K, N] (stored_kxn) when rhs is contracted on its leading axes, as stored, else w_NxK. No
+  op touches rhs but the one that makes w (a use the gradient analysis, train/grads.py,
+  follows to the GEMM)."""
   (lc, rc), (lb, rb) = dimension_numbers
   if tuple(lb) or tuple(rb):
     raise NotImplementedError(
@@ -255,27 +259,26 @@ def canonicalize(lhs: jax.Array, rhs: jax.Array, dimension_numbers):
   m = math.prod(lhs.shape[d] for d in lf)
   n = math.prod(rhs.shape[d] for d in rf)
   x = lhs if lf + lc == tuple(range(lhs.ndim)) else jnp.transpose(lhs, lf + lc)
-  w = rhs if rf + rc == tuple(range(rhs.ndim)) else jnp.transpose(rhs, rf + rc)
   out_shape = tuple(lhs.shape[d] for d in lf) + tuple(rhs.shape[d] for d in rf)
-  return x.reshape(m, k), w.reshape(n, k), out_shape
+  if rc + rf == tuple(range(rhs.ndim)):   # stored [K..., N...] (Flax Dense): kept as [K, N]
+    return x.reshape(m, k), rhs.reshape(k, n), out_shape, True
+  w = rhs if rf + rc == tuple(range(rhs.ndim)) else jnp.transpose(rhs, rf + rc)
+  return x.reshape(m, k), w.reshape(n, k), out_shape, False
 
 
 def quantized_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None, *,
                           recipe: Recipe, backend: str = "auto", telemetry: bool = False,
                           sink=None, quantize_backend: str = "mosaic"):
   """The FP8 dot_general of `recipe`; with telemetry returns (y, fprop_stats [2, 3])."""
-  x_MxK, w_NxK, out_shape = canonicalize(lhs, rhs, dimension_numbers)
   # A kernel contracted on its leading axes (Flax Dense [K, N], DenseGeneral [K..., N...])
   # enters as stored, reshaped to [K, N]: W^T is made inside, from the same read as W, and
   # dW leaves as [K, N] (no transposes for XLA to run either way).
-  rc = tuple(d % rhs.ndim for d in dimension_numbers[0][1])
-  stored_kxn = rc == tuple(range(len(rc)))
+  x_MxK, w, out_shape, stored_kxn = canonicalize(lhs, rhs, dimension_numbers)
   out_dtype = np.dtype(preferred_element_type if preferred_element_type is not None
                        else jnp.result_type(lhs.dtype, rhs.dtype))
   plan = GemmPlan(recipe, gemm.check_backend(backend), out_dtype, np.dtype(lhs.dtype),
                np.dtype(rhs.dtype), np.dtype(jnp.result_type(lhs.dtype, rhs.dtype)),
                telemetry, telemetry and sink is not None, stored_kxn, quantize_backend)
-  w = rhs.reshape(w_NxK.shape[::-1]) if stored_kxn else w_NxK
   out = _fp8_matmul(plan, x_MxK, w, sink)
   if telemetry:
     return checkpoint_name(out[0], FP8_GEMM_OUT).reshape(out_shape), out[1]

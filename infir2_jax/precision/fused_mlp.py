@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from infir2_jax.precision import gemm
+from infir2_jax.precision import cotangents, gemm
 from infir2_jax.precision.dot_general import (
     FP8_GEMM_OUT, FP8_RESIDUALS, GemmPlan, check_quantize_backend, make_dot_general,
     quantize_rows, quantize_weight_both, quantizer_kernels)
@@ -163,6 +163,7 @@ def _fused_mlp_fwd(plan: _MlpPlan, x_MxD, wg_DxF, wu_DxF, wd_FxD):
   return y_MxD, (xt, gu, ht, wgu, wd)
 
 
+@cotangents.cotangent_is_buffer   # dx, dWd and [dWg | dWu]: GEMM outputs rounded once
 def _fused_mlp_bwd(plan: _MlpPlan, res, dy_MxD):
   gp, r = plan.gemm, plan.gemm.recipe
   xt_DxM, gu_Mx2F, ht_FxM, wgu_Dx2F, wd_FxD = res

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from infir2_jax.errors import ConfigError
+from infir2_jax.precision import cotangents
 from infir2_jax.precision.quantize import QTensor, expand_scale, resolve_tile
 
 Operand = "QTensor | jax.Array"
@@ -105,6 +106,7 @@ def _narrow_backward_dot_fwd(lhs, rhs, dimension_numbers, precision, out_dtype):
   return _bf16_dot(lhs, rhs, dimension_numbers, precision, out_dtype), (lhs, rhs)
 
 
+@cotangents.cotangent_is_buffer   # dgrad and wgrad: bf16 GEMM outputs
 def _narrow_backward_dot_bwd(dimension_numbers, precision, out_dtype, residuals, g):
   lhs, rhs = residuals
   _, vjp = jax.vjp(lambda a, b: _bf16_dot(a, b, dimension_numbers, precision, lhs.dtype),

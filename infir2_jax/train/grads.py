@@ -15,8 +15,14 @@ the float32 conversion can wait for the optimizer's fused update. Any other use 
 float32 gradient: a second cast (the LM head inside model.loss_chunk's scan), a sum of
 contributions (the tied embedding), an elementwise or gather use (norm scales, biases and
 the embedding outside a scan, whose bf16 cotangents XLA may keep in excess precision), or a
-custom derivative (the FP8 projections outside a scan), unless its backward is marked with
-`cotangent_is_buffer` (the fused LM head and loss: model.loss_fused).
+custom derivative, unless its backward is marked `cotangent_is_buffer`
+(precision/cotangents.py: the FP8 projections, the fused FP8 MLP, the BF16 LM head with its
+float32 logits, the fused LM head and loss).
+
+A value that enters a shard_map (the FP8 projections per shard, precision/per_shard.py) is
+followed into its body: the transpose sums each device's cotangent over the mesh axes the
+value is replicated on in the cotangent's own dtype, so the bf16 gradient is that bf16 sum
+whether or not it is converted to float32 afterwards (the same bits either way).
 """
 
 from typing import Any
@@ -26,29 +32,11 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
-# custom_vjp backwards (their core functions) that write each float input's cotangent as one
-# buffer of the input's dtype: see cotangent_is_buffer.
-_BUFFER_COTANGENT_BWDS: set = set()
-
-
-def cotangent_is_buffer(bwd):
-  """Marks a jax.custom_vjp backward whose cotangent for each float input is that input's
-  dtype by construction: computed whole and rounded once to it (as a GEMM's output is). A
-  param cast to that dtype and passed straight in then keeps its gradient in that dtype to
-  the optimizer (the fused LM head's [D, V] gradient: 1 GiB in bf16 at 7B, with no float32
-  copy beside it at the step's peak). The step's optimization barrier on the gradients
-  (train/step.compute_dtype_grad_fn) keeps the rounding."""
-  _BUFFER_COTANGENT_BWDS.add(bwd)
-  return bwd
-
-
-def _marked_custom_vjp(eqn) -> bool:
-  bwd = eqn.params.get("bwd")
-  return getattr(bwd, "f", None) in _BUFFER_COTANGENT_BWDS   # lu.WrappedFun's core function
-
+from infir2_jax.precision import cotangents
 
 # Call-like primitives whose derivative is their body's: follow a value into the body.
-_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint")
+_CALLS = ("jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
+          "shard_map")
 # Ops whose transpose moves a cotangent without summing or rounding it (a layout, a
 # placement, or a slice of a stack).
 _LAYOUT = ("sharding_constraint", "mesh_cast", "copy", "copy_p", "reshape", "squeeze",
@@ -125,7 +113,7 @@ class _Analysis:
       if name == "dot_general":
         return True
       if name == "custom_vjp_call":
-        return _marked_custom_vjp(eqn)
+        return cotangents.is_marked(eqn)
       if name == "scan":   # a const or carry is read every iteration: a summed gradient
         return i >= _scan_consts_and_carry(eqn)
       size_kept = (name == "broadcast_in_dim" and
