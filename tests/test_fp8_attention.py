@@ -243,6 +243,14 @@ def test_the_model_runs_fp8_attention_only_where_the_recipe_says():
   grads = jax.jit(jax.grad(loss))(params)
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
   assert float(jnp.abs(grads["layers_0"]["self_attn"]["q_proj"]["kernel"]).max()) > 0
+  # scanned layers get the FP8 attention too (the scan's uniform factory passes it on)
+  import dataclasses
+  scanned = lambda **kw: Qwen2(dataclasses.replace(cfg, scan_layers=True),
+                               make_dot_general_factory(PrecisionConfig(backend="xla", **kw)))
+  np.testing.assert_allclose(np.asarray(logits(scanned(recipe="infir2_fp8attn"), params)), fp8,
+                             rtol=0, atol=1e-5 * np.abs(fp8).max())
+  np.testing.assert_allclose(np.asarray(logits(scanned(recipe="infir2"), params)), base,
+                             rtol=0, atol=1e-5 * np.abs(base).max())
 
 
 def test_long_rows_warn_that_the_scores_are_dense(caplog, monkeypatch):

@@ -29,9 +29,10 @@ FUSED_BACKWARD = PrecisionConfig().fused_mlp_backward
 CFG = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2,
                   num_heads=2, num_kv_heads=1, head_dim=128, dtype="bfloat16")
 PROJECTIONS_PER_LAYER = 7  # q, k, v, o, gate, up, down
-# FP8 GEMMs of a layer: 3 per projection; with the fused MLP (precision.fused_mlp) gate and
-# up are one GEMM each way: 3 x 4 for attention, 3 x 2 for the MLP.
-GEMMS_PER_LAYER = {False: 3 * PROJECTIONS_PER_LAYER, True: 3 * 4 + 3 * 2}
+# FP8 GEMMs of a layer: 3 per projection; with the factory's fused ops (precision.fused_qkv,
+# precision.fused_mlp) q, k and v are one GEMM each way, gate and up another: 3 x 2 for
+# attention, 3 x 2 for the MLP.
+GEMMS_PER_LAYER = {False: 3 * PROJECTIONS_PER_LAYER, True: 3 * 2 + 3 * 2}
 
 
 def _opaque(fn, name: str):
@@ -107,10 +108,13 @@ def _grad_fn(remat: str, dtype: str = "bfloat16", fused_mlp: bool = False):
 @pytest.mark.parametrize("fused_mlp", [False, True])
 @pytest.mark.parametrize("remat,extra_fprops", [
     ("none", 0), ("save_dots", 0), ("save_dots_fp8", 0),
-    # full remat recomputes every forward GEMM whose output the backward pass needs
-    ("full", 4)])
+    # full remat recomputes every forward GEMM whose output the backward pass needs: q, k,
+    # v, gate, up (one of each fused op: q/k/v, gate/up)
+    ("full", {False: 4, True: 2})])
 def test_remat_policy_recomputes_no_fp8_gemm(fake_pallas, remat, extra_fprops, fused_mlp):
   grad, params, tokens = _grad_fn(remat, fused_mlp=fused_mlp)
+  if isinstance(extra_fprops, dict):
+    extra_fprops = extra_fprops[fused_mlp]
   counts = _count_primitives(jax.make_jaxpr(grad)(params, tokens).jaxpr, collections.Counter())
   # fprop + dgrad + wgrad per projection and for the LM head (these factories give it the
   # recipe too)

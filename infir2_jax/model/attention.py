@@ -23,10 +23,12 @@ from jax import lax
 
 from infir2_jax.model import packed_attention
 from infir2_jax.model.config import ModelConfig
+from infir2_jax.model.axes import TOKEN_AXES, compute_axes
 from infir2_jax.model.layers import (
-    DotGeneralFactory, Linear, apply_rope, default_dot_general_factory, module_path,
-    rope_cos_sin)
+    DotGeneralFactory, Linear, LinearParams, apply_rope, default_dot_general_factory,
+    module_path, rope_cos_sin)
 from infir2_jax.precision.gemm import target_platform
+from infir2_jax.precision.per_shard import QkvAxes
 
 CACHE = "cache"
 
@@ -127,9 +129,7 @@ class Attention(nn.Module):
     cfg = self.config
     batch, length, width = x_BxLxD.shape
     heads, kv_heads, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
-    q = self._dense(heads * dh, ("embed", "heads"), cfg.qkv_bias, "q_proj")(x_BxLxD)
-    k = self._dense(kv_heads * dh, ("embed", "kv_heads"), cfg.qkv_bias, "k_proj")(x_BxLxD)
-    v = self._dense(kv_heads * dh, ("embed", "kv_heads"), cfg.qkv_bias, "v_proj")(x_BxLxD)
+    q, k, v = self._qkv(x_BxLxD)
     q_BxLxHxDh = q.reshape(batch, length, heads, dh)
     k_BxLxKxDh = k.reshape(batch, length, kv_heads, dh)
     v_BxLxKxDh = v.reshape(batch, length, kv_heads, dh)
@@ -147,6 +147,30 @@ class Attention(nn.Module):
       out_BxLxHxDh = self._train_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL)
     out_BxLxHDh = out_BxLxHxDh.reshape(batch, length, heads * dh)
     return self._dense(width, ("heads", "embed"), False, "o_proj")(out_BxLxHDh)
+
+  def _qkv(self, x_BxLxD):
+    """(q [B, L, H Dh], k, v [B, L, K Dh]): as the factory's fused q/k/v product where it
+    offers one (precision.fused_qkv; the same params), else three projections."""
+    cfg = self.config
+    heads, kv_heads, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
+    specs = (("q_proj", heads * dh, ("embed", "heads")),
+             ("k_proj", kv_heads * dh, ("embed", "kv_heads")),
+             ("v_proj", kv_heads * dh, ("embed", "kv_heads")))
+    fused = None
+    if hasattr(self.dot_general_factory, "fused_qkv") and x_BxLxD.ndim - 1 <= len(TOKEN_AXES):
+      q_axes, kv_axes = compute_axes(("embed", "heads")), compute_axes(("embed", "kv_heads"))
+      axes = QkvAxes(x=(*TOKEN_AXES[:x_BxLxD.ndim - 1], q_axes[0]), q=q_axes, kv=kv_axes)
+      fused = self.dot_general_factory.fused_qkv(module_path(self), axes)
+    if fused is None:
+      return tuple(self._dense(n, axes, cfg.qkv_bias, name)(x_BxLxD)
+                   for name, n, axes in specs)
+    dtype = jnp.dtype(cfg.dtype)
+    params = [LinearParams(n, axes, cfg.qkv_bias, dtype, jnp.dtype(cfg.param_dtype),
+                           cfg.init_std, name=name)(x_BxLxD.shape[-1])
+              for name, n, axes in specs]
+    outs = fused(x_BxLxD.astype(dtype), *(kernel for kernel, _ in params))
+    return tuple(y if bias is None else y + bias.astype(y.dtype)
+                 for y, (_, bias) in zip(outs, params))
 
   def _train_attention(self, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL):
     document = self.config.attention_mask == "document"

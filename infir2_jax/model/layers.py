@@ -32,6 +32,8 @@ class DotGeneralFactory(Protocol):
 
   # Optional: `gated_mlp(path, axes: MlpAxes)` -> mlp(x, w_gate, w_up, w_down) or None, the
   # whole SwiGLU MLP at `path` as one op (precision.fused_mlp); the MLP uses it when given.
+  # Optional: `fused_qkv(path, axes: QkvAxes)` -> qkv(x, wq, wk, wv) -> (q, k, v) or None,
+  # the attention's three input projections as one product (precision.fused_qkv).
 
 
 def default_dot_general_factory(path: str, axes: ProjectionAxes | None = None) -> DotGeneral:
@@ -81,25 +83,30 @@ class Linear(nn.Module):
     y = dot_general(x.astype(self.dtype), kernel, dense_dimension_numbers(x), precision=None,
                     preferred_element_type=None)
     if self.use_bias:
-      bias = self.param(
-          "bias", nn.with_logical_partitioning(nn.initializers.zeros, self.kernel_axes[1:]),
-          (self.features,), self.param_dtype)
-      y = y + bias.astype(y.dtype)
+      y = y + _bias(self).astype(y.dtype)
     return y
 
 
-class Kernel(nn.Module):
-  """A Linear's kernel alone (same param, same name), for a product run elsewhere: the
-  fused MLP takes its three projections' weights."""
+def _bias(module: nn.Module) -> jax.Array:
+  """The module's bias param [out] (module.features, kernel_axes, param_dtype)."""
+  return module.param(
+      "bias", nn.with_logical_partitioning(nn.initializers.zeros, module.kernel_axes[1:]),
+      (module.features,), module.param_dtype)
+
+
+class LinearParams(nn.Module):
+  """A Linear's params alone (same params, same names), for a product run elsewhere (the
+  fused MLP, the fused q/k/v): (the kernel's compute-dtype copy, the bias or None)."""
   features: int
   kernel_axes: tuple[str, str]
+  use_bias: bool = False
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
   init_std: float = 0.02
 
   @nn.compact
-  def __call__(self, in_features: int) -> jax.Array:
-    return _compute_kernel(self, in_features)
+  def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array | None]:
+    return _compute_kernel(self, in_features), (_bias(self) if self.use_bias else None)
 
 
 class RMSNorm(nn.Module):
@@ -155,8 +162,9 @@ class MLP(nn.Module):
       axes = MlpAxes(x=(*TOKEN_AXES[:x_BxLxD.ndim - 1], hidden_axes[0]), hidden=hidden_axes)
       fused = self.dot_general_factory.gated_mlp(module_path(self), axes)
     if fused is not None:
-      kernel = lambda features, axes, name, fan_in: Kernel(
-          features, axes, self.dtype, self.param_dtype, self.init_std, name=name)(fan_in)
+      kernel = lambda features, axes, name, fan_in: LinearParams(
+          features, axes, False, self.dtype, self.param_dtype, self.init_std,
+          name=name)(fan_in)[0]
       w_gate = kernel(hidden, ("embed", "mlp"), "gate_proj", width)
       w_up = kernel(hidden, ("embed", "mlp"), "up_proj", width)
       w_down = kernel(width, ("mlp", "embed"), "down_proj", hidden)

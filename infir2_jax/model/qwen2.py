@@ -1,5 +1,7 @@
 """The Qwen2/Qwen2.5 decoder-only language model (Flax linen)."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -138,9 +140,9 @@ class Qwen2(nn.Module):
 
 def _uniform_factory(factory: DotGeneralFactory, layer_names) -> DotGeneralFactory:
   """A factory for the scanned layer: every layer's projection must get the same one."""
-  def uniform(make_one, path, axes):
+  def uniform(make_one, path, axes=None):
     made = [make_one(f"{name}/{path}", axes) for name in layer_names]
-    if any(m is not made[0] for m in made[1:]):
+    if any(not _same_op(m, made[0]) for m in made[1:]):
       raise ValueError(
           f"model.scan_layers=True runs one layer body for all layers, but the precision "
           f"differs between layers at '{path}' (per-layer precision.overrides or "
@@ -149,9 +151,19 @@ def _uniform_factory(factory: DotGeneralFactory, layer_names) -> DotGeneralFacto
 
   def make(path, axes=None):
     return uniform(factory, path, axes)
-  if hasattr(factory, "gated_mlp"):
-    make.gated_mlp = lambda path, axes=None: uniform(factory.gated_mlp, path, axes)
+  for hook in ("gated_mlp", "fused_qkv"):   # the factory's optional fused ops
+    if hasattr(factory, hook):
+      setattr(make, hook, functools.partial(uniform, getattr(factory, hook)))
+  if hasattr(factory, "attention"):          # FP8 attention: attention(path)
+    make.attention = lambda path: uniform(lambda p, _: factory.attention(p), path)
   return make
+
+
+def _same_op(a, b) -> bool:
+  """One op for every layer: the same object, or partials of one function and arguments."""
+  if isinstance(a, functools.partial) and isinstance(b, functools.partial):
+    return (a.func, a.args, a.keywords) == (b.func, b.args, b.keywords)
+  return a is b
 
 
 def _f32_factory(factory: DotGeneralFactory) -> DotGeneralFactory:

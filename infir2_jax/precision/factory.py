@@ -3,11 +3,11 @@
 import functools
 
 from infir2_jax.precision.config import PrecisionConfig, resolve_recipe
-from infir2_jax.precision import fp8_attention, fused_mlp
+from infir2_jax.precision import fp8_attention, fused_mlp, fused_qkv
 from infir2_jax.precision.dot_general import make_dot_general
 from infir2_jax.precision.gemm import bf16_dot_general
 from infir2_jax.precision.per_shard import (
-    MlpAxes, ProjectionAxes, per_shard, per_shard_mlp, shard_local)
+    MlpAxes, ProjectionAxes, QkvAxes, per_shard, per_shard_mlp, per_shard_qkv, shard_local)
 from infir2_jax.precision.telemetry import TelemetryAttention, TelemetryDotGeneral, module_name
 
 
@@ -28,6 +28,10 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
     recipe that fused_mlp.supports, without telemetry, unless cfg.fused_mlp is False; None
     elsewhere (the model then
     composes the three projections' dot_generals).
+  - fused_qkv: factory.fused_qkv(path, axes=None) -> the q, k and v projections of the
+    attention module at `path` as one FP8 product (precision.fused_qkv: one quantization of
+    x, one GEMM each way) where they share a recipe that fused_qkv.supports, without
+    telemetry, unless cfg.fused_qkv is False; None elsewhere (three dot_generals).
   - attention: factory.attention(path) -> the FP8 attention of the attention module at
     `path` ("layers_0/self_attn") where its recipe has an `attention` spec
     (fp8_attention.fp8_attention, called as attend(q, k, v, segment_ids or None); with
@@ -70,6 +74,20 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
       cache[key] = mlp if axes is None else per_shard_mlp(mlp, axes)
     return cache[key]
 
+  def qkv(path: str, axes: QkvAxes | None = None):
+    recipes = {resolve_recipe(cfg, f"{path}/{name}") for name in ("q_proj", "k_proj", "v_proj")}
+    if telemetry or not cfg.fused_qkv or len(recipes) != 1:
+      return None
+    (recipe,) = recipes
+    if not fused_qkv.supports(recipe):
+      return None
+    key = ("qkv", recipe.name, axes)
+    if key not in cache:
+      fn = fused_qkv.make_fused_qkv(recipe, backend=cfg.backend,
+                                    quantize_backend=cfg.quantize_backend)
+      cache[key] = fn if axes is None else per_shard_qkv(fn, axes)
+    return cache[key]
+
   def attention(path: str):
     spec = resolve_recipe(cfg, path).attention
     if spec is None:
@@ -80,5 +98,6 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
                              use_kernel=cfg.fp8_attention_kernel and cfg.backend != "xla")
 
   factory.gated_mlp = gated_mlp
+  factory.fused_qkv = qkv
   factory.attention = attention
   return factory

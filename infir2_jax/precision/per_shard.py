@@ -145,3 +145,45 @@ def per_shard_mlp(mlp, axes: MlpAxes):
 
   call.recipe = getattr(mlp, "recipe", None)
   return call
+
+
+@dataclasses.dataclass(frozen=True)
+class QkvAxes:
+  """Logical axes of the q/k/v product (q, k, v)[..., N*] = qkv(x[..., D], wq, wk, wv).
+
+  Attributes:
+    x: one name per dim of x, e.g. ("batch", "length", "act_embed").
+    q: the compute axes of wq's [D, Nq], e.g. ("act_embed", "act_heads").
+    kv: the compute axes of wk's and wv's [D, Nk], e.g. ("act_embed", "act_kv_heads").
+  """
+  x: tuple[str | None, ...]
+  q: tuple[str | None, str | None]
+  kv: tuple[str | None, str | None]
+
+
+def per_shard_qkv(qkv, axes: QkvAxes):
+  """`qkv` (x, wq, wk, wv) run inside shard_map on each device's shard: tokens split like
+  the batch, each weight's N like its compute axis (column-parallel: each device
+  concatenates its own heads of q, k and v). One global call when there is no mesh of
+  several devices, x is not laid out as `axes` says, D is split, or a split does not
+  divide evenly."""
+  def call(x, wq, wk, wv):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or x.ndim != len(axes.x):
+      return qkv(x, wq, wk, wv)
+    *lead, d_axes = _mesh_axes(axes.x)
+    dq_axes, q_axes = _mesh_axes(axes.q)
+    dk_axes, kv_axes = _mesh_axes(axes.kv)
+    if any(a is not None for a in (d_axes, dq_axes, dk_axes)):
+      return qkv(x, wq, wk, wv)
+    x_spec, wq_spec, wkv_spec = P(*lead, None), P(None, q_axes), P(None, kv_axes)
+    dims = [*zip(x.shape, x_spec), *zip(wq.shape, wq_spec), *zip(wk.shape, wkv_spec),
+            *zip(wv.shape, wkv_spec)]
+    if any(size % _ways(mesh, entry) for size, entry in dims):
+      return qkv(x, wq, wk, wv)
+    out_specs = (P(*lead, q_axes), P(*lead, kv_axes), P(*lead, kv_axes))
+    return jax.shard_map(qkv, mesh=mesh, in_specs=(x_spec, wq_spec, wkv_spec, wkv_spec),
+                         out_specs=out_specs, check_vma=False)(x, wq, wk, wv)
+
+  call.recipe = getattr(qkv, "recipe", None)
+  return call

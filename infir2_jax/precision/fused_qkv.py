@@ -1,0 +1,63 @@
+"""The q, k and v projections of a block-scaled FP8 recipe as one product.
+
+  [q | k | v] [M, Nq + 2 Nk] = x [M, D] . [Wq | Wk | Wv]    ONE FP8 dot_general (dot_general.py)
+
+against three, it runs
+  - one quantization of x (its 1x128 tiles and the token-tiled X^T for wgrad) instead of
+    three reads of the same x;
+  - one fprop, one dgrad (over K = Nq + 2 Nk) and one wgrad GEMM instead of three each: the
+    k and v GEMMs alone are narrow (N or K = 256 at 1.5B, 512 at 7B) and ran at 540-787
+    TFLOP/s on the H200 against 1202-1328 for the wide ones (issue 33's profile);
+  - one dY quantization of [dq | dk | dv], and no sum of three bf16 dx products;
+  - one saved X^T under save_dots_fp8 instead of three.
+
+Numerics against three projections, where every quantized operand's tiles are at most
+128 x 128 (per_shard.shard_local: infir2 and its variants) and each width Nq, Nk is a multiple
+of 128: no tile or block straddles two projections, so every quantized operand is the same,
+q, k and v come out bit for bit, and so do the weight gradients (wgrad reads the same
+tiles); dx sums the three dgrad products in one float32 accumulator instead of rounding
+each to bf16 and adding them (as the fused MLP's dx does). Other widths, or recipes with
+row- or tensor-wide scales (whose amax would span the concatenation), run the three
+projections as before.
+
+Shape legend: M tokens, D width, Nq = H x Dh, Nk = KV x Dh.
+"""
+
+import jax.numpy as jnp
+
+from infir2_jax.precision.dot_general import make_dot_general
+from infir2_jax.precision.per_shard import shard_local
+from infir2_jax.precision.recipes import Recipe, get_recipe
+
+TILE = 128
+
+
+def supports(recipe: "Recipe | str") -> bool:
+  """Whether `recipe` has the fused q/k/v product: quantized, every quantized operand in
+  tiles of at most 128 x 128 (the concatenation then changes no scale)."""
+  recipe = get_recipe(recipe)
+  return not recipe.is_bf16 and shard_local(recipe)
+
+
+def make_fused_qkv(recipe: "Recipe | str", *, backend: str = "auto",
+                   quantize_backend: str = "mosaic"):
+  """qkv(x [..., D], wq [D, Nq], wk [D, Nk], wv [D, Nk]) -> (q, k, v) [..., N*] of `recipe`
+  (one that `supports`), all in the compute dtype: one product on the concatenated weights
+  where every width is a multiple of 128, else three."""
+  recipe = get_recipe(recipe)
+  if not supports(recipe):
+    raise ValueError(f"recipe {recipe.name!r} has no fused q/k/v product (needs a quantized "
+                     "recipe whose tiles are at most 128 x 128); use its dot_general")
+  dot_general = make_dot_general(recipe, backend=backend, quantize_backend=quantize_backend)
+
+  def qkv(x, wq, wk, wv):
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    widths = (wq.shape[1], wk.shape[1], wv.shape[1])
+    if any(n % TILE for n in widths):
+      return tuple(dot_general(x, w, dims) for w in (wq, wk, wv))
+    y = dot_general(x, jnp.concatenate([wq, wk, wv], axis=1), dims)
+    nq, nk, _ = widths
+    return y[..., :nq], y[..., nq:nq + nk], y[..., nq + nk:]
+
+  qkv.recipe = recipe
+  return qkv

@@ -1,0 +1,153 @@
+"""The fused q/k/v product (precision/fused_qkv.py) against three projections and float64,
+where the factory offers it, and in the model (single device and per shard)."""
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infir2_jax.model import ModelConfig, Qwen2
+from infir2_jax.precision import PrecisionConfig, fused_qkv, make_dot_general, make_dot_general_factory
+from infir2_jax.precision.quantize import quantize_tensor
+
+M, D, NQ, NK = 256, 256, 384, 128
+DIMS = (((1,), (0,)), ((), ()))
+
+
+def _operands(seed=0, nk=NK):
+  r = np.random.default_rng(seed)
+  x = jnp.asarray(r.standard_normal((M, D)), jnp.bfloat16)
+  wq = jnp.asarray(r.standard_normal((D, NQ)) * 0.06, jnp.bfloat16)
+  wk, wv = (jnp.asarray(r.standard_normal((D, nk)) * 0.06, jnp.bfloat16) for _ in range(2))
+  cts = tuple(jnp.asarray(r.standard_normal((M, n)), jnp.float32) for n in (NQ, nk, nk))
+  return (x, wq, wk, wv), cts
+
+
+def _value_and_grads(qkv, args, cts):
+  loss = lambda *a: sum(jnp.sum(y.astype(jnp.float32) * c) for y, c in zip(qkv(*a), cts))
+  return jax.jit(lambda *a: (qkv(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(*args)
+
+
+@pytest.mark.parametrize("recipe", ["infir2", "infir2_fp32_scale", "infir2_e5m2_grad"])
+def test_fused_qkv_is_three_projections_with_one_dgrad_accumulator(recipe):
+  """q, k, v and the weight gradients bit for bit as three dot_generals of the recipe; dx
+  sums the three dgrad products in one f32 accumulator: the float64 product of the same
+  quantized operands rounded once to bf16, where three projections round three times more."""
+  args, cts = _operands()
+  fused = fused_qkv.make_fused_qkv(recipe, backend="xla")
+  dot = make_dot_general(recipe, backend="xla")
+  three = lambda x, wq, wk, wv: tuple(dot(x, w, DIMS) for w in (wq, wk, wv))
+  (ys_f, g_f), (ys_t, g_t) = _value_and_grads(fused, args, cts), _value_and_grads(three, args, cts)
+  for a, b in zip(ys_f, ys_t):
+    assert a.shape == b.shape
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  for a, b in zip(g_f[1:], g_t[1:]):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  # dx = [dq | dk | dv] . [Wq | Wk | Wv]^T from the quantized operands dgrad takes
+  r = fused.recipe
+  deq = lambda t, spec: np.asarray(quantize_tensor(t, spec.tile, spec.fmt, spec.scale_format)
+                                   .dequantize(jnp.float32), np.float64)
+  dy = jnp.concatenate([c.astype(jnp.bfloat16) for c in cts], 1)
+  want = deq(dy, r.dgrad.lhs) @ deq(jnp.concatenate(args[1:], 1), r.dgrad.rhs).T
+  err = lambda got: np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+  rounded_once = err(want.astype(np.float32).astype(jnp.bfloat16))
+  assert err(g_f[0]) < 1.02 * rounded_once < 1.02 * 1.3 * rounded_once < err(g_t[0]), (
+      err(g_f[0]), rounded_once, err(g_t[0]))
+
+
+def test_a_width_that_is_not_whole_tiles_runs_three_projections():
+  args, cts = _operands(seed=1, nk=96)
+  fused = fused_qkv.make_fused_qkv("infir2", backend="xla")
+  dot = make_dot_general("infir2", backend="xla")
+  three = lambda x, wq, wk, wv: tuple(dot(x, w, DIMS) for w in (wq, wk, wv))
+  (_, g_f), (_, g_t) = _value_and_grads(fused, args, cts), _value_and_grads(three, args, cts)
+  for a, b in zip(g_f, g_t):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_factory_offers_the_fused_qkv_only_where_it_applies():
+  path = "layers_3/self_attn"
+  made = lambda **kw: make_dot_general_factory(PrecisionConfig(**kw)).fused_qkv(path)
+  assert made(recipe="infir2") is not None
+  assert made(recipe="infir2_fp32_scale").recipe.name == "infir2_fp32_scale"
+  assert made(recipe="infir2_bf16_wgrad") is not None   # its bf16 wgrad reads no tiles
+  for recipe in ("bf16", "fp8_rowwise", "fp8_tensorwise"):   # row/tensor scales span N
+    assert made(recipe=recipe) is None, recipe
+  assert made(recipe="infir2", overrides=("k_proj=bf16",)) is None
+  assert made(recipe="infir2", overrides=("layers_2/=bf16",)) is not None
+  assert made(recipe="infir2", fused_qkv=False) is None
+  telemetry = make_dot_general_factory(PrecisionConfig(recipe="infir2"), telemetry=True)
+  assert telemetry.fused_qkv(path) is None
+  with pytest.raises(ValueError, match="no fused q/k/v"):
+    fused_qkv.make_fused_qkv("fp8_rowwise")
+
+
+CFG = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=384, num_layers=2,
+                  num_heads=2, num_kv_heads=2, head_dim=128)
+
+
+def _loss(model, tokens):
+  return lambda p: jnp.mean(model.apply({"params": p}, tokens).astype(jnp.float32) ** 2)
+
+
+def _relative_error(tree, ref) -> float:
+  flat = lambda t: np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(t)])
+  return float(np.linalg.norm(flat(tree) - flat(ref)) / np.linalg.norm(flat(ref)))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_model_with_the_fused_qkv_keeps_its_params_and_logits(scan_layers):
+  """The fused product declares the same params (names, shapes, partitioning, the q/k/v
+  biases) as the three Linears and computes the same logits bit for bit; its gradients
+  differ only by dx's rounding (amplified upstream by FP8 quantization), far less than
+  FP8's own distance from bf16."""
+  cfg = dataclasses.replace(CFG, scan_layers=scan_layers, remat="save_dots")
+  tokens = jax.random.randint(jax.random.key(1), (2, 128), 0, cfg.vocab_size)
+  fused = make_dot_general_factory(PrecisionConfig(recipe="infir2", backend="xla"))
+  three = make_dot_general_factory(PrecisionConfig(recipe="infir2", backend="xla",
+                                                   fused_qkv=False))
+  init_cfg = dataclasses.replace(cfg, scan_layers=False)
+  boxed_f = Qwen2(init_cfg, fused).init(jax.random.key(0), tokens)
+  boxed_t = Qwen2(init_cfg, three).init(jax.random.key(0), tokens)
+  describe = lambda boxed: jax.tree.map(lambda b: (b.value.shape, b.names), boxed,
+                                        is_leaf=lambda b: isinstance(b, nn.Partitioned))
+  assert describe(boxed_f) == describe(boxed_t)
+  assert "bias" in boxed_f["params"]["layers_0"]["self_attn"]["k_proj"]
+  jax.tree.map(np.testing.assert_array_equal, nn.unbox(boxed_f), nn.unbox(boxed_t))
+  params = nn.unbox(boxed_f)["params"]
+  # nonzero biases, so that a bias dropped or swapped would show
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, p: p + 0.05 if path[-1].key == "bias" else p, params)
+  model_f, model_t = Qwen2(cfg, fused), Qwen2(cfg, three)
+  logits = lambda model: jax.jit(lambda p: model.apply({"params": p}, tokens))(params)
+  np.testing.assert_array_equal(np.asarray(logits(model_f)), np.asarray(logits(model_t)))
+  g_f, g_t = (jax.jit(jax.grad(_loss(m, tokens)))(params) for m in (model_f, model_t))
+  bf16 = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(recipe="bf16")))
+  g_bf16 = jax.jit(jax.grad(_loss(bf16, tokens)))(params)
+  assert _relative_error(g_f, g_t) < min(3e-2, 0.3 * _relative_error(g_t, g_bf16))
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_fused_qkv_per_shard_equals_one_device(kv_heads):
+  """fsdp 2 x tensor 2 on 4 CPU devices: the fused product runs inside shard_map, each
+  device concatenating its own q and k/v heads (one KV head: k and v replicated over
+  tensor), and gives one device's loss and gradients (float32 compute)."""
+  from infir2_jax import parallel
+  cfg = dataclasses.replace(CFG, num_kv_heads=kv_heads, dtype="float32")
+  tokens = jax.random.randint(jax.random.key(2), (4, 128), 0, cfg.vocab_size)
+  factory = make_dot_general_factory(PrecisionConfig(recipe="infir2", backend="xla"))
+  model = Qwen2(cfg, factory)
+  loss = _loss(model, tokens)
+  params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
+  want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params)
+  mesh_cfg = parallel.MeshConfig(1, 2, 2)
+  mesh = parallel.make_mesh(mesh_cfg, jax.devices()[:4])
+  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.logical_rules(mesh_cfg, cfg, mesh)):
+    forward = str(jax.make_jaxpr(loss)(params))
+    got_loss, got_grads = jax.jit(jax.value_and_grad(loss))(params)
+  # per layer: q/k/v, o and the MLP, each in its own shard_map (not XLA's partitioner)
+  assert forward.count("shard_map[") == 3 * cfg.num_layers
+  np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+  assert _relative_error(got_grads, want_grads) < 3e-2
