@@ -45,10 +45,10 @@ TOKENS = 16384
 MODELS = {  # linear name -> (in, out); duplicates (k=v, gate=up, q=o) measured once
     "1p5b": {"q_proj": (1536, 1536), "k_proj": (1536, 256), "v_proj": (1536, 256),
              "o_proj": (1536, 1536), "gate_proj": (1536, 8960), "up_proj": (1536, 8960),
-             "down_proj": (8960, 1536)},
+             "down_proj": (8960, 1536), "qkv_proj": (1536, 2048)},   # q|k|v fused
     "7b": {"q_proj": (3584, 3584), "k_proj": (3584, 512), "v_proj": (3584, 512),
            "o_proj": (3584, 3584), "gate_proj": (3584, 18944), "up_proj": (3584, 18944),
-           "down_proj": (18944, 3584)},
+           "down_proj": (18944, 3584), "qkv_proj": (3584, 4608)},
 }
 SWEEP = [
     kernels.TuningConfig(max_concurrent_steps=5),

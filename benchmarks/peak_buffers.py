@@ -48,6 +48,8 @@ def owner(name: str) -> str:
     return "Adam moments"
   if name == "batch" or name.startswith("batch"):
     return "batch"
+  if name == "jit(train_step)/convert_element_type":   # train/step.compute_dtype_grad_fn
+    return "the params' bf16 copies the step differentiates (bf16 gradients)"
   if "_scanned_layers/stack" in name:
     return "the scan's stacked weights (bf16 copy of every layer's)"
   if "take_along_axis" in name or "transpose(jvp())/mul" in name or "log_softmax" in name \

@@ -43,6 +43,13 @@ if [[ $STAGE == wgrad ]]; then  # session 19's SASS reading: the promotion moved
     --shapes wgrad --variants 'scales_first=True,tile_n=128;scales_first=True,tile_n=128' \
     --baselines 0 --breakdown 0 --deadline 180 2>&1 | grep -vE "ptxas|^$" | tail -30
 fi
+if [[ $STAGE == qkv ]]; then  # session 26: the fused q|k|v GEMMs against q, k and v apart
+  timeout 60 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider \
+    -k "scanned_remat" 2>&1 | tail -4
+  timeout 240 python3 benchmarks/gemm.py --out "$OUT/gemm_qkv_h200.json" --models 1p5b,7b \
+    --shapes q_proj,k_proj,qkv_proj --baselines 0 --cublas_blockwise 0 --breakdown 0 \
+    --deadline 200 2>&1 | grep -vE "ptxas|^$" | tail -30
+fi
 if [[ $STAGE == all || $STAGE == quantize ]]; then
   timeout 100 python3 benchmarks/quantize.py --out "$OUT/quantize_h200.json" --deadline 55 2>&1 \
     | tee "$OUT/quantize.log"

@@ -48,6 +48,7 @@
 #        compile, with and without XLA's Triton GEMMs, then its step without them),
 #        7bfast (7B unrolled, FP8 moments, the fused loss: bf16 with save_dots beside infir2
 #        with save_dots_fp8; then the <= 78 GiB candidate's autotuned buffers with the time left),
+#        qkv (1.5B at 2 x 8192: bf16, infir2 (q|k|v fused), infir2 with three q/k/v products),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
 set -o pipefail
@@ -212,6 +213,14 @@ elif [[ $STAGE == lean ]]; then
   # against :lean (FP8 moments: now the fused FP8 AdamW step), and bf16, in one run.
   timeout $((DEADLINE + 220)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
     --recipes=bf16,infir2,infir2~opt.moments=fp8 \
+    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
+    --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
+    | grep -vE "onstant.folding|slow_operation|^$" | tail -30
+elif [[ $STAGE == qkv ]]; then
+  # Session 26 (issue 33): q, k and v as one FP8 product (precision.fused_qkv, now the
+  # default) against three, with every projection's gradient in bf16 in both, and bf16.
+  timeout $((DEADLINE + 220)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
+    --recipes=bf16,infir2,infir2~precision.fused_qkv=False \
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
     --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
     | grep -vE "onstant.folding|slow_operation|^$" | tail -30

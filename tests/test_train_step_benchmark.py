@@ -92,7 +92,8 @@ LIVE_RANGE = """HloLiveRange (max 30):
       ├── jit(train_step)/transpose(jvp())/mul (25.0%, total: 250 bytes, current: 250 bytes, remaining: 250 bytes)
       ├── state['opt_state'][1][0].mu['lm_head']['kernel'] (10.0%, total: 100 bytes, current: 100 bytes, remaining: 150 bytes)
       ├── state['opt_state'][1][0].nu['lm_head']['kernel'] (10.0%, total: 100 bytes, current: 100 bytes, remaining: 50 bytes)
-      └── jit(train_step)/jvp(Qwen2)/Qwen2._scanned_layers/while{2} (5.0%, total: 50 bytes, current: 50 bytes, remaining: 0 bytes)
+      ├── jit(train_step)/jvp(Qwen2)/Qwen2._scanned_layers/while{2} (5.0%, total: 50 bytes, current: 50 bytes, remaining: 0 bytes)
+      └── jit(train_step)/convert_element_type (0.0%, total: 0 bytes, current: 0 bytes, remaining: 0 bytes)
 """
 
 
@@ -103,7 +104,8 @@ def test_peak_buffers_groups_the_peak_by_owner():
   assert peak["by_owner"] == {
       "master weights (float32)": 300, "loss: float32 logits and their gradient": 250,
       "the scan's stacked weights (bf16 copy of every layer's)": 200, "Adam moments": 200,
-      "the scan's saved layer inputs (remat residuals)": 50}
+      "the scan's saved layer inputs (remat residuals)": 50,
+      "the params' bf16 copies the step differentiates (bf16 gradients)": 0}
   assert sum(peak["by_owner"].values()) == peak["peak_bytes"]   # top-level entries only
   with pytest.raises(ValueError, match="Stack trace breakdown"):
     peak_buffers.parse_live_range("HloLiveRange (max 3):\n")
