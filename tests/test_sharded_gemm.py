@@ -26,10 +26,10 @@ def test_which_recipes_are_shard_local():
   assert not shard_local(get_recipe("bf16"))  # nothing quantized
 
 
-def _local_gemm_shapes(recipe: str, mesh_shape):
+def _local_gemm_shapes(recipe: str, mesh_shape, **precision):
   cfg = tiny_config()
   model = Qwen2(cfg.model, make_dot_general_factory(PrecisionConfig(recipe=recipe,
-                                                                    backend="xla")))
+                                                                    backend="xla", **precision)))
   mesh_cfg = parallel.MeshConfig(*mesh_shape)
   mesh = parallel.make_mesh(mesh_cfg, jax.devices()[:mesh_shape[0] * mesh_shape[1] * mesh_shape[2]])
   rules = parallel.logical_rules(mesh_cfg, cfg.model, mesh)
@@ -53,18 +53,23 @@ def _local_gemm_shapes(recipe: str, mesh_shape):
   return shapes
 
 
-def test_infir2_projections_see_only_their_shard():
+@pytest.mark.parametrize("fused_qkv", [True, False])
+def test_infir2_projections_see_only_their_shard(fused_qkv):
   # mesh data 1 x fsdp 2 x tensor 4; hidden 1024, 4 heads and 2 KV heads of 128, MLP 512.
   # KV heads are replicated at tensor 4 (2 < 4); o splits K over tensor (partial sums); the
-  # fused MLP takes gate's and up's columns of its shard and down's rows (partial sums).
+  # fused MLP takes gate's and up's columns of its shard and down's rows (partial sums); the
+  # fused q/k/v product its shard of q's columns and k's and v's whole (replicated) ones.
   rows = ROWS // 2
   want = collections.Counter({
-      ((rows, LENGTH, 1024), (1024, 512 // 4)): 1,   # q_proj
-      ((rows, LENGTH, 1024), (1024, 256)): 2,        # k_proj, v_proj
       ((rows, LENGTH, 512 // 4), (512 // 4, 1024)): 1,  # o_proj
       ((rows, LENGTH, 1024), (1024, 512 // 4), (1024, 512 // 4), (512 // 4, 1024)): 1,  # mlp
   })
-  assert _local_gemm_shapes("infir2", (1, 2, 4)) == want
+  if fused_qkv:
+    want[(rows, LENGTH, 1024), (1024, 512 // 4), (1024, 256), (1024, 256)] = 1
+  else:
+    want[(rows, LENGTH, 1024), (1024, 512 // 4)] = 1   # q_proj
+    want[(rows, LENGTH, 1024), (1024, 256)] = 2        # k_proj, v_proj
+  assert _local_gemm_shapes("infir2", (1, 2, 4), fused_qkv=fused_qkv) == want
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_tensorwise", "fp8_rowwise"])
