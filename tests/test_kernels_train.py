@@ -77,8 +77,9 @@ def test_interpreted_kernels_train_like_the_xla_path(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   result = json.loads(proc.stdout.splitlines()[-1])
   calls = result["calls"]
-  # q, k, v, o and the fused MLP's two: 6 fprop + 6 dgrad + 6 wgrad GEMMs per traced step.
-  assert calls["gemm"] >= 18 and calls["quantize_tiles"] > 0 and calls["quantize_blocks"] > 0
+  # the fused q|k|v, o and the fused MLP's two: 4 fprop + 4 dgrad + 4 wgrad GEMMs per
+  # traced step.
+  assert calls["gemm"] >= 12 and calls["quantize_tiles"] > 0 and calls["quantize_blocks"] > 0
   assert calls["swiglu_quantize"] > 0 and calls["swiglu_bwd_quantize"] > 0, calls
   pallas, xla = result["pallas"], result["xla"]
   assert sorted(pallas) == ["1", "2", "3", "4"]
