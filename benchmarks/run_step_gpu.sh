@@ -62,6 +62,15 @@ STAGE=${1:-1p5b}
 DEADLINE=${2:-400}
 COMMON=(--tokens_per_step=16384 --data=text --override=data.tokenizer=default
         --override=opt.warmup_steps=10 --noise_run=0)
+# The 1.5B at 2 x 8192, 20 pipelined steps a row: step_1p5b RECIPES LINES [more flags].
+step_1p5b() {
+  local recipes=$1 lines=$2; shift 2
+  timeout $((DEADLINE + 220)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
+    --recipes="$recipes" \
+    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
+    --deadline_s="$DEADLINE" "$@" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
+    | grep -vE "onstant.folding|slow_operation|^$" | tail -"$lines"
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/env.txt"
 for d in .stage_?; do  # a part of the study's GGUF, for its slice that follows at once
   [[ -d $d ]] && mkdir -p /tmp/stage && cp "$d"/* /tmp/stage/ && ls -la /tmp/stage | tail -1
@@ -171,11 +180,7 @@ elif [[ $STAGE == memfast ]]; then
 elif [[ $STAGE == fusedloss ]]; then
   F=model.scan_layers=False~model.remat=save_dots_fp8; C=model.loss_chunk=2048~model.loss_fused=True
   L=$F~opt.moments=fp8~model.loss_chunk=2048
-  timeout $((DEADLINE + 220)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
-    --recipes=bf16~model.scan_layers=False,infir2~$F,infir2~$F~$C,bf16~model.scan_layers=False~$C,infir2~$L~model.loss_fused=True \
-    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
-    --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
-    | grep -vE "onstant.folding|slow_operation|^$" | tail -40
+  step_1p5b bf16~model.scan_layers=False,infir2~$F,infir2~$F~$C,bf16~model.scan_layers=False~$C,infir2~$L~model.loss_fused=True 40
 elif [[ $STAGE == 7bfused ]]; then
   timeout $((DEADLINE + 230)) python3 benchmarks/train_step.py --config=configs/7b.py \
     --recipes=bf16,infir2,infir2~precision.fused_mlp_backward=False \
@@ -191,11 +196,7 @@ elif [[ $STAGE == remat ]]; then
   # Memory spent on speed at 1.5B (issues 34, 35): with the fused loss (configs/1p5b.py's
   # default since session 21) bf16 peaks at 46.6 GiB and :fast at 50.9, so keeping every
   # activation (remat none: no recomputed norms, SwiGLU, RoPE) may fit and be faster.
-  timeout $((DEADLINE + 220)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
-    --recipes=infir2,bf16~model.scan_layers=False,bf16~model.scan_layers=False~model.remat=none,infir2~model.scan_layers=False~model.remat=save_dots_fp8,infir2~model.scan_layers=False~model.remat=none \
-    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
-    --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
-    | grep -vE "onstant.folding|slow_operation|^$" | tail -40
+  step_1p5b infir2,bf16~model.scan_layers=False,bf16~model.scan_layers=False~model.remat=none,infir2~model.scan_layers=False~model.remat=save_dots_fp8,infir2~model.scan_layers=False~model.remat=none 40
 elif [[ $STAGE == 7bmem ]]; then
   # Issue 35's 7B memory target (<= 78 GiB at no more than infir2's default time): infir2 as
   # configs/7b.py has it (scanned, full remat) and configs/7b.py:lean's settings: unrolled,
@@ -211,29 +212,17 @@ elif [[ $STAGE == 7bmem ]]; then
 elif [[ $STAGE == lean ]]; then
   # Issue 35's first target at 1.5B: the default (unrolled, save_dots_fp8, fused loss)
   # against :lean (FP8 moments: now the fused FP8 AdamW step), and bf16, in one run.
-  timeout $((DEADLINE + 220)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
-    --recipes=bf16,infir2,infir2~opt.moments=fp8 \
-    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
-    --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
-    | grep -vE "onstant.folding|slow_operation|^$" | tail -30
+  step_1p5b bf16,infir2,infir2~opt.moments=fp8 30
 elif [[ $STAGE == qkv ]]; then
   # Session 26 (issue 33): q, k and v as one FP8 product (precision.fused_qkv, now the
   # default) against three, with every projection's gradient in bf16 in both, and bf16.
-  timeout $((DEADLINE + 220)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
-    --recipes=bf16,infir2,infir2~precision.fused_qkv=False \
-    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
-    --deadline_s="$DEADLINE" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
-    | grep -vE "onstant.folding|slow_operation|^$" | tail -30
+  step_1p5b bf16,infir2,infir2~precision.fused_qkv=False 30
 elif [[ $STAGE == triton ]]; then
   # Issue 33's design 2 in the step, after run_kernels_gpu.sh triton shows the kernels alone
   # faster: the default infir2 with every 1x128 quantizer (X, dY, SwiGLU's) as a Pallas
   # Triton kernel (precision.quantize_backend=triton) against the Mosaic ones, and bf16.
   # Session 24: the kernels alone were 2.2-3.1x slower, so this stage was not run.
-  timeout $((DEADLINE + 220)) python3 benchmarks/train_step.py --config=configs/1p5b.py \
-    --recipes=bf16,infir2,infir2~precision.quantize_backend=triton \
-    --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
-    --deadline_s="$DEADLINE" --profile_dir=/tmp/prof --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
-    | grep -vE "onstant.folding|slow_operation|^$" | tail -30
+  step_1p5b bf16,infir2,infir2~precision.quantize_backend=triton 30 --profile_dir=/tmp/prof
 elif [[ $STAGE == 7bspeed ]]; then
   # Memory spent on speed at 7B (issue 35 item 3): unrolled layers with FP8 moments, the
   # fused loss and the fused FP8 AdamW step leave room for lighter remat (deviceless

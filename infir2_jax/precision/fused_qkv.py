@@ -3,13 +3,14 @@
   [q | k | v] [M, Nq + 2 Nk] = x [M, D] . [Wq | Wk | Wv]    ONE FP8 dot_general (dot_general.py)
 
 against three, it runs
-  - one quantization of x (its 1x128 tiles and the token-tiled X^T for wgrad) instead of
-    three reads of the same x;
   - one fprop, one dgrad (over K = Nq + 2 Nk) and one wgrad GEMM instead of three each: the
     k and v GEMMs alone are narrow (N or K = 256 at 1.5B, 512 at 7B) and ran at 540-787
     TFLOP/s on the H200 against 1202-1328 for the wide ones (issue 33's profile);
-  - one dY quantization of [dq | dk | dv], and no sum of three bf16 dx products;
-  - one saved X^T under save_dots_fp8 instead of three.
+  - one dY quantization of [dq | dk | dv] and one of the weights, and no sum of three bf16
+    dx products.
+The three quantizations of x (and their saved X^T) were one already: XLA merges identical
+kernel calls. Session 26 (H100): the fused GEMMs take 0.68-0.86x the three's time at 1.5B,
+the step 351.0 against 352.5 ms (benchmarks/NOTES_e2e.md).
 
 Numerics against three projections, where every quantized operand's tiles are at most
 128 x 128 (per_shard.shard_local: infir2 and its variants) and each width Nq, Nk is a multiple

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infir2_jax.precision import cotangents, gemm
+from infir2_jax.precision import gemm
+from infir2_jax.precision.cotangents import cotangent_is_buffer
 
 
 def cross_entropy_sums(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
@@ -127,7 +128,7 @@ def _fused_head_ce_fwd(hidden, weight, targets, weights, chunk, vocab_axis, dtyp
   return (loss, count), (dh, dweight, targets, weights)
 
 
-@cotangents.cotangent_is_buffer
+@cotangent_is_buffer
 def _fused_head_ce_bwd(chunk, vocab_axis, dtypes, residuals, cotangents):
   """The saved float32 gradients times the loss sum's cotangent (1 under jax.grad of the
   sum, as the train step takes it), rounded once to the inputs' dtypes, as the BF16 head's
