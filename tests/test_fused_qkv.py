@@ -57,6 +57,29 @@ def test_fused_qkv_is_three_projections_with_one_dgrad_accumulator(recipe):
       err(g_f[0]), rounded_once, err(g_t[0]))
 
 
+def test_bf16_fused_qkv_is_three_products_with_one_dgrad_accumulator():
+  """bf16 (Megatron's fused linear_qkv): q, k, v and the weight gradients bit for bit as
+  three bf16 dot_generals; dx is the float64 product rounded once to bf16, where three
+  products round each to bf16 and add them. Widths need not be whole tiles."""
+  for nk in (NK, 96):
+    args, cts = _operands(seed=2, nk=nk)
+    fused = fused_qkv.make_fused_qkv("bf16")
+    dot = make_dot_general("bf16")
+    three = lambda x, wq, wk, wv: tuple(dot(x, w, DIMS) for w in (wq, wk, wv))
+    (ys_f, g_f), (ys_t, g_t) = (_value_and_grads(fused, args, cts),
+                                _value_and_grads(three, args, cts))
+    for a, b in [*zip(ys_f, ys_t), *zip(g_f[1:], g_t[1:])]:
+      assert a.dtype == b.dtype == jnp.bfloat16
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    f64 = lambda t: np.asarray(t, np.float64)
+    dy = np.concatenate([f64(c.astype(jnp.bfloat16)) for c in cts], 1)
+    want = dy @ np.concatenate([f64(w) for w in args[1:]], 1).T
+    err = lambda got: np.linalg.norm(f64(got) - want) / np.linalg.norm(want)
+    rounded_once = err(want.astype(np.float32).astype(jnp.bfloat16))
+    assert err(g_f[0]) < 1.02 * rounded_once < 1.02 * 1.3 * rounded_once < err(g_t[0]), (
+        nk, err(g_f[0]), rounded_once, err(g_t[0]))
+
+
 def test_a_width_that_is_not_whole_tiles_runs_three_projections():
   args, cts = _operands(seed=1, nk=96)
   fused = fused_qkv.make_fused_qkv("infir2", backend="xla")
@@ -73,7 +96,8 @@ def test_factory_offers_the_fused_qkv_only_where_it_applies():
   assert made(recipe="infir2") is not None
   assert made(recipe="infir2_fp32_scale").recipe.name == "infir2_fp32_scale"
   assert made(recipe="infir2_bf16_wgrad") is not None   # its bf16 wgrad reads no tiles
-  for recipe in ("bf16", "fp8_rowwise", "fp8_tensorwise"):   # row/tensor scales span N
+  assert made(recipe="bf16").recipe.name == "bf16"
+  for recipe in ("fp8_rowwise", "fp8_tensorwise"):   # row/tensor scales span N
     assert made(recipe=recipe) is None, recipe
   assert made(recipe="infir2", overrides=("k_proj=bf16",)) is None
   assert made(recipe="infir2", overrides=("layers_2/=bf16",)) is not None
@@ -129,15 +153,16 @@ def test_model_with_the_fused_qkv_keeps_its_params_and_logits(scan_layers):
   assert _relative_error(g_f, g_t) < min(3e-2, 0.3 * _relative_error(g_t, g_bf16))
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
-def test_fused_qkv_per_shard_equals_one_device(kv_heads):
+@pytest.mark.parametrize("recipe,kv_heads", [("infir2", 2), ("infir2", 1), ("bf16", 2)])
+def test_fused_qkv_per_shard_equals_one_device(recipe, kv_heads):
   """fsdp 2 x tensor 2 on 4 CPU devices: the fused product runs inside shard_map, each
   device concatenating its own q and k/v heads (one KV head: k and v replicated over
-  tensor), and gives one device's loss and gradients (float32 compute)."""
+  tensor), and gives one device's loss and gradients (float32 compute). bf16's other
+  projections stay with XLA's partitioner."""
   from infir2_jax import parallel
   cfg = dataclasses.replace(CFG, num_kv_heads=kv_heads, dtype="float32")
   tokens = jax.random.randint(jax.random.key(2), (4, 128), 0, cfg.vocab_size)
-  factory = make_dot_general_factory(PrecisionConfig(recipe="infir2", backend="xla"))
+  factory = make_dot_general_factory(PrecisionConfig(recipe=recipe, backend="xla"))
   model = Qwen2(cfg, factory)
   loss = _loss(model, tokens)
   params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
@@ -148,6 +173,7 @@ def test_fused_qkv_per_shard_equals_one_device(kv_heads):
     forward = str(jax.make_jaxpr(loss)(params))
     got_loss, got_grads = jax.jit(jax.value_and_grad(loss))(params)
   # per layer: q/k/v, o and the MLP, each in its own shard_map (not XLA's partitioner)
-  assert forward.count("shard_map[") == 3 * cfg.num_layers
+  per_layer = 1 if recipe == "bf16" else 3
+  assert forward.count("shard_map[") == per_layer * cfg.num_layers
   np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
   assert _relative_error(got_grads, want_grads) < 3e-2

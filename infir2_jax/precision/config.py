@@ -49,7 +49,8 @@ class PrecisionConfig:
       its three projections as separate dot_generals (the same quantized operands; dx then
       adds two bf16 products).
     fused_qkv: run each attention's q, k and v projections as one product where their
-      recipe allows (precision.fused_qkv: one GEMM each way on the concatenated weights; q, k, v and the weight gradients bit for bit as three
+      recipe allows (precision.fused_qkv, FP8 or bf16: one GEMM each way on the
+      concatenated weights; q, k, v and the weight gradients bit for bit as three
       projections, dx summed in one float32 accumulator); False runs three dot_generals.
     fused_mlp_backward: in the fused MLP on Hopper, SwiGLU's backward and the quantization
       of dgate and dup as one kernel (kernels.swiglu_bwd_quantize) instead of XLA's SwiGLU

@@ -29,9 +29,10 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
     elsewhere (the model then
     composes the three projections' dot_generals).
   - fused_qkv: factory.fused_qkv(path, axes=None) -> the q, k and v projections of the
-    attention module at `path` as one FP8 product (precision.fused_qkv: one GEMM each
-    way) where they share a recipe that fused_qkv.supports, without
-    telemetry, unless cfg.fused_qkv is False; None elsewhere (three dot_generals).
+    attention module at `path` as one product (precision.fused_qkv: one GEMM each way;
+    FP8 or bf16) where they share a recipe that fused_qkv.supports, without telemetry,
+    unless cfg.fused_qkv is False; None elsewhere (three dot_generals). It runs per shard
+    (per_shard_qkv) for bf16 too, so that each device concatenates its own heads.
   - attention: factory.attention(path) -> the FP8 attention of the attention module at
     `path` ("layers_0/self_attn") where its recipe has an `attention` spec
     (fp8_attention.fp8_attention, called as attend(q, k, v, segment_ids or None); with

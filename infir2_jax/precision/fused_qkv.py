@@ -1,4 +1,4 @@
-"""The q, k and v projections of a block-scaled FP8 recipe as one product.
+"""The q, k and v projections as one product (a block-scaled FP8 recipe, or bf16).
 
   [q | k | v] [M, Nq + 2 Nk] = x [M, D] . [Wq | Wk | Wv]    ONE FP8 dot_general (dot_general.py)
 
@@ -21,6 +21,12 @@ each to bf16 and adding them (as the fused MLP's dx does). Other widths, or reci
 row- or tensor-wide scales (whose amax would span the concatenation), run the three
 projections as before.
 
+The bf16 recipe (Megatron's fused linear_qkv): XLA's dot merger already makes q|k|v one GEMM
+in the forward and in wgrad, but not in dgrad, where it ran three GEMMs into [M, D] (two of
+them K = Nk, narrow) and added their bf16 results. On the concatenated weights dgrad is one
+GEMM over K = Nq + 2 Nk, summed in its float32 accumulator and rounded once: q, k, v and
+the weight gradients are unchanged, dx is closer to float64.
+
 Shape legend: M tokens, D width, Nq = H x Dh, Nk = KV x Dh.
 """
 
@@ -34,27 +40,27 @@ TILE = 128
 
 
 def supports(recipe: "Recipe | str") -> bool:
-  """Whether `recipe` has the fused q/k/v product: quantized, every quantized operand in
+  """Whether `recipe` has the fused q/k/v product: bf16, or every quantized operand in
   tiles of at most 128 x 128 (the concatenation then changes no scale)."""
   recipe = get_recipe(recipe)
-  return not recipe.is_bf16 and shard_local(recipe)
+  return recipe.is_bf16 or shard_local(recipe)
 
 
 def make_fused_qkv(recipe: "Recipe | str", *, backend: str = "auto",
                    quantize_backend: str = "mosaic"):
   """qkv(x [..., D], wq [D, Nq], wk [D, Nk], wv [D, Nk]) -> (q, k, v) [..., N*] of `recipe`
   (one that `supports`), all in the compute dtype: one product on the concatenated weights
-  where every width is a multiple of 128, else three."""
+  where every width is a multiple of 128 (any width for bf16), else three."""
   recipe = get_recipe(recipe)
   if not supports(recipe):
-    raise ValueError(f"recipe {recipe.name!r} has no fused q/k/v product (needs a quantized "
-                     "recipe whose tiles are at most 128 x 128); use its dot_general")
+    raise ValueError(f"recipe {recipe.name!r} has no fused q/k/v product (needs bf16 or a "
+                     "recipe whose quantized tiles are at most 128 x 128); use its dot_general")
   dot_general = make_dot_general(recipe, backend=backend, quantize_backend=quantize_backend)
 
   def qkv(x, wq, wk, wv):
     dims = (((x.ndim - 1,), (0,)), ((), ()))
     widths = (wq.shape[1], wk.shape[1], wv.shape[1])
-    if any(n % TILE for n in widths):
+    if not recipe.is_bf16 and any(n % TILE for n in widths):
       return tuple(dot_general(x, w, dims) for w in (wq, wk, wv))
     y = dot_general(x, jnp.concatenate([wq, wk, wv], axis=1), dims)
     nq, nk, _ = widths

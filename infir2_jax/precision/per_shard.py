@@ -14,7 +14,9 @@ this path, so the CPU tests check the partitioning that the GPU kernels run unde
 The layer passes its operands' logical axes (ProjectionAxes); the active logical-axis rules
 (flax's nn.logical_axis_rules) and mesh turn them into PartitionSpecs at trace time.
 Recipes whose scales span a whole row or tensor (fp8_rowwise, fp8_tensorwise) need
-cross-shard maxima and stay with XLA's partitioner; so do bf16 projections.
+cross-shard maxima and stay with XLA's partitioner; so do bf16 projections, except the
+fused q/k/v product (per_shard_qkv), whose concatenation of column-parallel weights must be
+each device's own heads.
 """
 
 import dataclasses
