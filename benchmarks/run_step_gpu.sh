@@ -223,7 +223,8 @@ elif [[ $STAGE == bf16qkv ]]; then
   # Session 27: bf16's q|k|v as one product too (precision.fused_qkv now covers bf16: one
   # dgrad GEMM over K = 2048 instead of three and two bf16 adds) against three, then the
   # default infir2 and :lean's FP8 moments (issue 35's 1.5B target: <= the default's time).
-  step_1p5b bf16,bf16~precision.fused_qkv=False,infir2,infir2~opt.moments=fp8 40 --profile_dir=/tmp/prof
+  step_1p5b bf16,bf16~precision.fused_qkv=False,infir2,infir2~opt.moments=fp8 40 --profile_dir=/tmp/prof \
+    --hlo_dir="$OUT/hlo"
 elif [[ $STAGE == triton ]]; then
   # Issue 33's design 2 in the step, after run_kernels_gpu.sh triton shows the kernels alone
   # faster: the default infir2 with every 1x128 quantizer (X, dY, SwiGLU's) as a Pallas
