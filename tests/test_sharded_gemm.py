@@ -74,7 +74,15 @@ def test_infir2_projections_see_only_their_shard(fused_qkv):
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_tensorwise", "fp8_rowwise"])
 def test_other_recipes_stay_with_xla_partitioning(recipe):
-  assert not _local_gemm_shapes(recipe, (1, 2, 4))
+  assert not _local_gemm_shapes(recipe, (1, 2, 4), fused_qkv=False)
+
+
+def test_bf16_runs_only_its_fused_qkv_per_shard():
+  # bf16's o, gate, up and down stay with XLA's partitioner; its fused q/k/v product
+  # concatenates each device's own heads (q's shard, the replicated k and v).
+  want = collections.Counter({((ROWS // 2, LENGTH, 1024), (1024, 512 // 4), (1024, 256),
+                                (1024, 256)): 1})
+  assert _local_gemm_shapes("bf16", (1, 2, 4)) == want
 
 
 def test_single_device_has_no_shard_map():
