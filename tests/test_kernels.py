@@ -194,6 +194,8 @@ def _special_input(m, k, seed=0):
   x[1, 3] = 2e-38
   x[m - 1, k - 1] = np.nan
   x[2, 7] = -np.inf
+  if m > 3 and k >= 128:   # a tile whose ue8m0 scale is capped: it saturates at +-fmax * cap
+    x[3, :128] = np.linspace(-3.35e38, 3.35e38, 128)
   return jnp.asarray(x, jnp.bfloat16)
 
 
@@ -228,6 +230,34 @@ def test_quantize_blocks_interpret_bit_identical(fmt, scale_format):
   assert _bit_equal(q, rq) and _bit_equal(s, rs) and _bit_equal(qt, rq.T)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("scale_format", ["ue8m0", "fp32"])
+def test_the_clip_the_gpu_kernels_leave_to_the_cast_matters_only_in_capped_tiles(
+    fmt, scale_format):
+  """On the GPU the kernels leave quantize_values' clip to the saturating fp8 cast. With
+  every bf16 bit pattern as a tile's amax and the tile's largest elements (+-amax, whose
+  products are the largest) and smaller ones, XLA's non-saturating cast of the unclipped
+  product equals the clipped fp8 bit for bit (NaN, inf, subnormals and zeros included)
+  except in tiles whose "ue8m0" scale is capped, where only the clip (or a saturating
+  cast) gives +-fmax: what tests/test_kernels_gpu.py checks on the device (_special_input
+  has such a tile)."""
+  every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(ml_dtypes.bfloat16)
+  amax_bits = formats.abs_bits(jnp.asarray(every, jnp.float32))
+  amax = jax.lax.bitcast_convert_type(amax_bits, jnp.float32)
+  scale = formats.scale_from_amax(amax, fmt, scale_format)
+  inv = jnp.broadcast_to((1.0 / scale)[:, None], (every.size, 4))
+  x = jnp.asarray(every, jnp.float32)[:, None] * jnp.asarray([1, -1, 0.75, -0.5], jnp.float32)
+  clipped = np.asarray(quantize.quantize_values(x, inv, fmt), np.float32)
+  unclipped = np.asarray(quantize.quantize_values(x, inv, fmt, clip=False), np.float32)
+  same = (clipped == unclipped) | (np.isnan(clipped) & np.isnan(unclipped))
+  capped = np.asarray(scale) == formats.get_format(fmt).max_pow2_scale
+  assert same[~capped].all()
+  if scale_format == "ue8m0":
+    assert not same[capped].all()          # the capped tiles do need the clip
+  fmax = formats.get_format(fmt).max
+  np.testing.assert_array_equal(np.abs(clipped[capped & ~same[:, 0]][:, :2]), fmax)
+
+
 def test_quantize_reference_semantics_numpy():
   """The reference against a float64-free numpy re-derivation of the contract."""
   x = _special_input(128, 256, seed=2)
@@ -238,7 +268,7 @@ def test_quantize_reference_semantics_numpy():
     amax = np.max(np.abs(xf), axis=-1)  # numpy max propagates NaN
     s_ref = np.maximum(amax * np.float32(1 / 448), np.finfo(np.float32).tiny)
     pow2 = np.exp2(np.ceil(np.log2(s_ref.astype(np.float64)))).astype(np.float32)
-    s_ref = np.where(np.isfinite(s_ref), pow2, s_ref)
+    s_ref = np.where(np.isfinite(s_ref), np.minimum(pow2, np.float32(2.0**119)), s_ref)  # cap
     y = np.clip(xf * (np.float32(1) / s_ref)[..., None], -448, 448)
   assert _bit_equal(s, s_ref)
   assert _bit_equal(q, y.astype(ml_dtypes.float8_e4m3fn).reshape(128, 256))

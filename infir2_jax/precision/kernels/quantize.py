@@ -34,6 +34,9 @@ from infir2_jax.precision.formats import abs_bits
 from infir2_jax.precision.formats import scale_from_amax
 
 TILE = 128
+# On the GPU the kernels leave the clip to the saturating fp8 cast (quantize_values); read
+# when a kernel is traced. benchmarks/quantize_backends.py sets it False to time the clip.
+GPU_CAST_SATURATES = True
 
 
 def _check_formats(fmt: str, scale_format: str):
@@ -41,10 +44,20 @@ def _check_formats(fmt: str, scale_format: str):
   formats.check_scale_format(scale_format)
 
 
-def quantize_values(x32, inv, fmt: str):
-  """fp8(clip(flush(x) * inv)); inv already broadcast to x's shape."""
+def quantize_values(x32, inv, fmt: str, clip: bool = True):
+  """fp8(clip(flush(x) * inv)); inv already broadcast to x's shape.
+
+  clip=False leaves the clip to the cast: for the Mosaic GPU kernels, whose float32 -> fp8
+  conversion is Hopper's saturating one (cvt.rn.satfinite: beyond +-fmax, inf included,
+  gives +-fmax; NaN stays NaN), which is the clip. It saves three instructions an element
+  (benchmarks/NOTES_kernels.md, session 27). XLA's convert (the reference, the kernels'
+  interpreter) does not saturate, so they clip. With inv from the tile's own amax
+  (scale_from_amax), |x| * inv exceeds fmax by more than the cast's rounding only in tiles
+  whose "ue8m0" scale is capped (amax > fmax * cap, ~2.98e38)."""
   f = formats.get_format(fmt)
   y = formats.flush_subnormals(x32) * inv
+  if not clip:
+    return y.astype(f.dtype)
   fmax = np.float32(f.max)
   y = jnp.where(y > fmax, fmax, jnp.where(y < -fmax, -fmax, y))  # selects: NaN passes
   return y.astype(f.dtype)
@@ -117,25 +130,28 @@ def row_amax(x):
   return lax.bitcast_convert_type(amax_bits, jnp.float32)
 
 
-def quantize_half(x, s, fmt: str):
-  """fp8 of the rows of x with their row scales s (one per row)."""
+def quantize_half(x, s, fmt: str, clip: bool = True):
+  """fp8 of the rows of x with their row scales s (one per row); clip=False on the GPU,
+  where the cast saturates (quantize_values)."""
   inv = lax.broadcast_in_dim(1.0 / s, x.shape, (0,))
-  return quantize_values(x, inv, fmt)
+  return quantize_values(x, inv, fmt, clip=clip)
 
 
-def quantize_block_tiles(src_smem, q_smem, s_smem, *, transposed, fmt, scale_format):
+def quantize_block_tiles(src_smem, q_smem, s_smem, *, transposed, fmt, scale_format, clip):
   """The 1x128 tiles of a [128, 128] bf16 block (or of its transpose), shared memory to
-  shared memory: q_smem [128, 128] fp8 and s_smem [1, 128] f32, one scale per row."""
+  shared memory: q_smem [128, 128] fp8 and s_smem [1, 128] f32, one scale per row.
+  clip: clip before the cast (interpreted); on the GPU the cast saturates."""
   import jax.experimental.pallas as pl
   for h in range(2):
     x = load_half(src_smem, h, transposed)
     s = scale_from_amax(row_amax(x), fmt, scale_format)
-    q_smem[pl.ds(h * HALF, HALF)] = quantize_half(x, s, fmt)
+    q_smem[pl.ds(h * HALF, HALF)] = quantize_half(x, s, fmt, clip)
     s_smem[0, pl.ds(h * HALF, HALF)] = s
 
 
-def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose):
-  """One CTA quantizes one 128x128 block of x [M, K] (edge blocks via TMA OOB)."""
+def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose, clip):
+  """One CTA quantizes one 128x128 block of x [M, K] (edge blocks via TMA OOB). clip:
+  clip before the cast, as the interpreter needs (the GPU's cast saturates)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -156,14 +172,14 @@ def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose):
           continue
         for h in range(2):
           dst[pl.ds(h * HALF, HALF)] = quantize_half(load_half(x_smem, h, transposed),
-                                                     s_block, fmt)
+                                                     s_block, fmt, clip)
       s_smem[0, pl.ds(0, HALF)] = s_block
     else:
       quantize_block_tiles(x_smem, q_smem, s_smem, transposed=False, fmt=fmt,
-                           scale_format=scale_format)
+                           scale_format=scale_format, clip=clip)
       if with_transpose:
         quantize_block_tiles(x_smem, qt_smem, st_smem, transposed=True, fmt=fmt,
-                             scale_format=scale_format)
+                             scale_format=scale_format, clip=clip)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, cols])
     if blocks:  # TMA writes >= 16 bytes: four copies of the block's scale.
@@ -203,12 +219,19 @@ def quantize_kernel_name(shape, blocks: bool, with_transpose: bool) -> str:
   return f"{KERNEL_NAME}_{kind}{'_t' if with_transpose else ''}_{shape[0]}x{shape[1]}"
 
 
+def clip_in_kernel(interpret: bool) -> bool:
+  """Whether a kernel clips before its fp8 cast: interpreted (XLA's convert does not
+  saturate), or where GPU_CAST_SATURATES is turned off."""
+  return bool(interpret) or not GPU_CAST_SATURATES
+
+
 @functools.lru_cache(maxsize=None)
-def _quantize_kernel(out_type, grid, fmt, scale_format, blocks, with_transpose, interpret):
+def _quantize_kernel(out_type, grid, fmt, scale_format, blocks, with_transpose, interpret,
+                     clip):
   """The jitted kernel of one static signature, built once (lowered once per program)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   body = functools.partial(_kernel_body, fmt=fmt, scale_format=scale_format,
-                           blocks=blocks, with_transpose=with_transpose)
+                           blocks=blocks, with_transpose=with_transpose, clip=clip)
   return jax.jit(plgpu.kernel(
       body, out_type=out_type, grid=grid, grid_names=("m", "k"),
       kernel_name=quantize_kernel_name(out_type[0].shape, blocks, with_transpose),
@@ -236,7 +259,7 @@ def _quantize_2d(x, *, fmt, scale_format, blocks, with_transpose, interpret):
   if with_transpose:
     out_type += [jax.ShapeDtypeStruct((kp, mp), dtype), jax.ShapeDtypeStruct((mb, kp), f32)]
   outs = _quantize_kernel(tuple(out_type), (mb, kb), fmt, scale_format, blocks, with_transpose,
-                          interpret)(xp)
+                          interpret, clip_in_kernel(interpret))(xp)
   q = outs[0][:m, :k]
   s = outs[1][:, ::4] if blocks else outs[1].T[:m]
   if blocks and with_transpose:
