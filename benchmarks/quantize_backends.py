@@ -61,23 +61,26 @@ def _paths(case, warps, interpret):
   xla = {"quantize": lambda x: kernels.quantize_tiles_reference(x, with_transpose=True),
          "swiglu": kernels.swiglu_quantize_reference,
          "swiglu_bwd": kernels.swiglu_bwd_quantize_reference}
-  paths = {"mosaic": mosaic[case], "mosaic_clip": _with_clip(mosaic[case]), "xla": xla[case]}
+  paths = {"mosaic": mosaic[case], "mosaic_full": _full(mosaic[case]), "xla": xla[case]}
   for w in warps:
     paths[f"triton_w{w}"] = _triton(case, qt.TritonConfig(num_warps=w),
                                     True if interpret else None)
   return paths
 
 
-def _with_clip(fn):
-  """fn traced with the Mosaic kernels clipping before their fp8 cast, as before session 27
-  (quantize.GPU_CAST_SATURATES off): the same bits, three instructions more an element."""
-  def traced(*args):
-    saved, quantize.GPU_CAST_SATURATES = quantize.GPU_CAST_SATURATES, False
-    try:
-      return fn(*args)
-    finally:
-      quantize.GPU_CAST_SATURATES = saved
-  return traced
+def _with_mode(mode, fn, *args):
+  """fn(*args) traced with quantize.KERNEL_QUANTIZE = mode."""
+  saved, quantize.KERNEL_QUANTIZE = quantize.KERNEL_QUANTIZE, mode
+  try:
+    return fn(*args)
+  finally:
+    quantize.KERNEL_QUANTIZE = saved
+
+
+def _full(fn):
+  """fn with the Mosaic kernels as before session 27 (KERNEL_QUANTIZE "full": the clip and
+  the subnormal flush on every element): the same bits as "lean", more instructions."""
+  return lambda *args: _with_mode("full", fn, *args)
 
 
 def _triton(case, config, interpret, with_values=False):
@@ -131,8 +134,10 @@ def _saturating(case, inputs):
   """The inputs with one 128 x 128 block whose quantized values reach +-3.3e38: tiles whose
   ue8m0 scale is capped, the one place the clip (or the GPU's saturating cast) matters."""
   ramp = jnp.linspace(-1.86e19, 1.86e19, 128)[None, :]
-  if case == "quantize":
+  if case == "quantize":   # and a block of tiny tiles (amax ~2e-38, subnormals): the flush
     (x,) = inputs
+    tiny = jnp.where(jnp.arange(128) % 2 == 0, 1e-39, -2e-38)[None, :] * jnp.ones((128, 1))
+    x = x.at[128:256, :128].set(tiny.astype(x.dtype))
     return (x.at[:128, :128].set((ramp * 1.8e19).astype(x.dtype)),)
   gu = inputs[-1]
   f = gu.shape[1] // 2
@@ -144,12 +149,13 @@ def _saturating(case, inputs):
   return (dh, gu)
 
 
-def check_mosaic(case, clip, inputs):
-  """A Mosaic path (clip: GPU_CAST_SATURATES off) on this device, on inputs with saturating
-  tiles (_saturating): quantize's outputs bit for bit the reference's; the fused kernels'
-  tiles bit for bit the reference quantizer's of the values the kernel made."""
+def check_mosaic(case, mode, inputs):
+  """A Mosaic path (quantize.KERNEL_QUANTIZE = mode) on this device, on inputs with
+  saturating and subnormal tiles (_saturating): quantize's outputs bit for bit the
+  reference's; the fused kernels' tiles bit for bit the reference quantizer's of the values
+  the kernel made."""
   inputs = _saturating(case, inputs)
-  saved, quantize.GPU_CAST_SATURATES = quantize.GPU_CAST_SATURATES, not clip
+  saved, quantize.KERNEL_QUANTIZE = quantize.KERNEL_QUANTIZE, mode
   try:
     if case == "quantize":
       out = jax.jit(lambda x: kernels.quantize_tiles(x, with_transpose=True))(*inputs)
@@ -159,7 +165,7 @@ def check_mosaic(case, clip, inputs):
     fn = kernels.swiglu_quantize if case == "swiglu" else kernels.swiglu_bwd_quantize
     *quantized, values = jax.jit(lambda *a: fn(*a, with_values=True))(*inputs)
   finally:
-    quantize.GPU_CAST_SATURATES = saved
+    quantize.KERNEL_QUANTIZE = saved
   requant = jax.jit(lambda v: kernels.quantize_tiles_reference(v, with_transpose=True))(values)
   fmax = float(jnp.finfo(quantized[0].dtype).max)
   return {"quantized_bit_identical_to_its_values": all(
@@ -191,7 +197,8 @@ def bench(case, model, m, d, f, args):
         entry["q_entries_differ_from_mosaic"] = float(_ulp_mismatch(q, q_mosaic)[0])
       if name.startswith("mosaic") and not interpret:   # on the device, saturating tiles
         try:
-          entry["check"] = check_mosaic(case, name == "mosaic_clip", sets[0])
+          entry["check"] = check_mosaic(case, "full" if name == "mosaic_full" else "lean",
+                                        sets[0])
         except Exception as e:  # noqa: BLE001 - the timing stands; the check says why not
           entry["check"] = {"ran": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
     except Exception as e:  # noqa: BLE001 - record and go on

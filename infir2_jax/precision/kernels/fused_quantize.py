@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from infir2_jax.precision import formats
 from infir2_jax.precision.kernels.quantize import (
-    HALF, TILE, clip_in_kernel, load_half, quantize_block_tiles,
+    HALF, TILE, RowQuantize, load_half, quantize_block_tiles, row_quantize,
     quantize_tiles_reference, smem_transforms)
 
 FUSED_KERNEL_NAME = "infir2_fused_quantize"
@@ -157,7 +157,7 @@ def _produce_piece(bufs, producer, h, c, cols: int):
 
 
 def _quantize_and_store(src, staging, outs, *, rows, mi, kb, fmt, scale_format, with_values,
-                        clip):
+                        body: RowQuantize):
   """The bf16 block `src` (shared memory) as 1x128 tiles along K and along tokens, stored as
   column block kb of token block mi (rows) of the outputs; with_values also stores src.
 
@@ -171,9 +171,9 @@ def _quantize_and_store(src, staging, outs, *, rows, mi, kb, fmt, scale_format, 
   q_gmem, s_gmem, qt_gmem, st_gmem, *v_gmem = outs
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   quantize_block_tiles(src, q_smem, s_smem, transposed=False, fmt=fmt,
-                       scale_format=scale_format, clip=clip)
+                       scale_format=scale_format, body=body)
   quantize_block_tiles(src, qt_smem, st_smem, transposed=True, fmt=fmt,
-                       scale_format=scale_format, clip=clip)
+                       scale_format=scale_format, body=body)
   plgpu.commit_smem()
   cols = pl.ds(kb * TILE, TILE)
   plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, cols])
@@ -185,7 +185,7 @@ def _quantize_and_store(src, staging, outs, *, rows, mi, kb, fmt, scale_format, 
 
 
 def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format,
-                with_values, config: FusedConfig, clip: bool):
+                with_values, config: FusedConfig, row: RowQuantize):
   """One CTA makes one 128x128 block of each of the producer's n_out outputs, quantized.
 
   sources: (input array index, column-block offset) of each producer argument's block.
@@ -236,7 +236,7 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
     def quantize_output(j, src):
       _quantize_and_store(src, (q_smem, s_smem, qt_smem, st_smem), outs, rows=rows, mi=mi,
                           kb=j * fb + ki, fmt=fmt, scale_format=scale_format,
-                          with_values=with_values, clip=clip)
+                          with_values=with_values, body=row)
 
     if looped:
       lax.fori_loop(0, n_out, lambda j, carry: quantize_output(j, out_bufs.at[j]) or carry,
@@ -264,7 +264,7 @@ def _fused_body(*refs, producer, sources, n_arrays, n_out, fb, fmt, scale_format
 
 
 def _pipelined_body(*refs, producer, sources, n_arrays, n_out, fb, mb, programs, fmt,
-                    scale_format, with_values, config: FusedConfig, clip: bool):
+                    scale_format, with_values, config: FusedConfig, row: RowQuantize):
   """_fused_body as a persistent kernel: CTA p of `programs` makes blocks p, p + programs,
   ... of the [mb, fb] grid (block b is (b // fb, b % fb)), the same work per block, and
   issues the next block's input loads (into the other of two stages) before it waits for
@@ -326,7 +326,7 @@ def _pipelined_body(*refs, producer, sources, n_arrays, n_out, fb, mb, programs,
       def quantize_output(j, c):
         _quantize_and_store(inputs.at[stage * n_src + j], (q_smem, s_smem, qt_smem, st_smem),
                             outs, rows=rows, mi=mi, kb=j * fb + ki, fmt=fmt,
-                            scale_format=scale_format, with_values=with_values, clip=clip)
+                            scale_format=scale_format, with_values=with_values, body=row)
         return c
 
       lax.fori_loop(0, n_out, quantize_output, 0)
@@ -358,7 +358,7 @@ PRODUCERS = {"swiglu": (swiglu_f32, 1), "swiglu_bwd": (swiglu_bwd_f32, 2)}
 
 @functools.lru_cache(maxsize=None)
 def _fused_kernel(producer: str, in_shapes, sources, m: int, f: int, fmt, scale_format,
-                  interpret, with_values, config: FusedConfig, clip: bool):
+                  interpret, with_values, config: FusedConfig, row: RowQuantize):
   """The jitted kernel of one static signature, built once (lowered once per program)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   fn, n_out = PRODUCERS[producer]
@@ -372,7 +372,7 @@ def _fused_kernel(producer: str, in_shapes, sources, m: int, f: int, fmt, scale_
     out_type += (jax.ShapeDtypeStruct((m, width), jnp.bfloat16),)
   common = dict(producer=fn, sources=sources, n_arrays=len(in_shapes), n_out=n_out, fb=fb,
                 fmt=fmt, scale_format=scale_format, with_values=with_values, config=config,
-                clip=clip)   # False on the GPU: its fp8 cast saturates (quantize_values)
+                row=row)   # quantize.row_quantize: how each row is quantized
   if config.programs:
     programs = min(config.programs, mb * fb)
     body = functools.partial(_pipelined_body, mb=mb, programs=programs, **common)
@@ -407,7 +407,7 @@ def _run(producer, arrays, sources, f, fmt, scale_format, interpret, with_values
                      "input that dies with the producer; this producer has none")
   kernel = _fused_kernel(producer, tuple(a.shape for a in arrays), sources, mp, f, fmt,
                          scale_format, interpret, with_values, config,
-                         clip_in_kernel(interpret))
+                         row_quantize(interpret))
   q, s_KbxM, qt, st_MbxK, *values = kernel(*arrays)
   return (q[:m], s_KbxM.T[:m], qt[:, :m], st_MbxK.T, *(v[:m] for v in values))
 

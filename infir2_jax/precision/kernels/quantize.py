@@ -23,10 +23,12 @@ written K-block-major ([Kb, M], [Mb, K]), the layout the GEMM reads; the
 returned [M, Kb] views are transposes that XLA cancels against the GEMM's.
 """
 import functools
+from typing import NamedTuple
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from infir2_jax.precision import formats
@@ -34,9 +36,19 @@ from infir2_jax.precision.formats import abs_bits
 from infir2_jax.precision.formats import scale_from_amax
 
 TILE = 128
-# On the GPU the kernels leave the clip to the saturating fp8 cast (quantize_values); read
-# when a kernel is traced. benchmarks/quantize_backends.py sets it False to time the clip.
-GPU_CAST_SATURATES = True
+# How the kernels quantize a row once its scale is known (read when a kernel is traced):
+#   "lean": on the GPU the clip is left to the saturating fp8 cast (quantize_values) and the
+#           subnormal flush runs only for rows where it can change a code (flush_free_inv);
+#           interpreted, the clip stays (XLA's convert does not saturate);
+#   "full": the clip and the flush on every element, as the kernels did before session 27.
+# Both give the reference's bits; benchmarks/quantize_backends.py times them side by side.
+KERNEL_QUANTIZE = "lean"
+
+
+class RowQuantize(NamedTuple):
+  """What a kernel's quantization of a row does besides the product and the cast."""
+  clip: bool                 # clip to +-fmax before the cast
+  flush_every_element: bool  # flush subnormals in every row (else only where it matters)
 
 
 def _check_formats(fmt: str, scale_format: str):
@@ -44,7 +56,7 @@ def _check_formats(fmt: str, scale_format: str):
   formats.check_scale_format(scale_format)
 
 
-def quantize_values(x32, inv, fmt: str, clip: bool = True):
+def quantize_values(x32, inv, fmt: str, clip: bool = True, flush: bool = True):
   """fp8(clip(flush(x) * inv)); inv already broadcast to x's shape.
 
   clip=False leaves the clip to the cast: for the Mosaic GPU kernels, whose float32 -> fp8
@@ -53,9 +65,10 @@ def quantize_values(x32, inv, fmt: str, clip: bool = True):
   (benchmarks/NOTES_kernels.md, session 27). XLA's convert (the reference, the kernels'
   interpreter) does not saturate, so they clip. With inv from the tile's own amax
   (scale_from_amax), |x| * inv exceeds fmax by more than the cast's rounding only in tiles
-  whose "ue8m0" scale is capped (amax > fmax * cap, ~2.98e38)."""
+  whose "ue8m0" scale is capped (amax > fmax * cap, ~2.98e38).
+  flush=False leaves the subnormal flush out, for an inv <= flush_free_inv(fmt)."""
   f = formats.get_format(fmt)
-  y = formats.flush_subnormals(x32) * inv
+  y = (formats.flush_subnormals(x32) if flush else x32) * inv
   if not clip:
     return y.astype(f.dtype)
   fmax = np.float32(f.max)
@@ -137,21 +150,54 @@ def quantize_half(x, s, fmt: str, clip: bool = True):
   return quantize_values(x, inv, fmt, clip=clip)
 
 
-def quantize_block_tiles(src_smem, q_smem, s_smem, *, transposed, fmt, scale_format, clip):
+def flush_free_inv(fmt: str) -> float:
+  """The largest 1 / scale for which flushing float32 subnormals before the product changes
+  no fp8 code: |x| < 2**-126 and inv <= this make |x * inv| <= half the format's smallest
+  subnormal, which the cast rounds to a zero of x's sign, as the flushed x's would be
+  (2**116 for E4M3, 2**109 for E5M2)."""
+  tiny = float(ml_dtypes.finfo(formats.get_format(fmt).dtype).smallest_subnormal)
+  return tiny / 2 / float(formats.SCALE_FLOOR)
+
+
+def quantize_half_into(dst, x, s, fmt: str, body: RowQuantize):
+  """dst[...] = quantize_half(x, s). Unless body.flush_every_element, the subnormal flush
+  runs only where some row's 1 / s is above flush_free_inv (a tile of amax below ~2**-107;
+  one branch for the warpgroup), where it can change a code; elsewhere it is left out, two
+  instructions an element fewer."""
+  import jax.experimental.pallas as pl
+  if body.flush_every_element:
+    dst[...] = quantize_half(x, s, fmt, body.clip)
+    return
+  inv_rows = 1.0 / s
+  inv = lax.broadcast_in_dim(inv_rows, x.shape, (0,))
+  needs_flush = jnp.max(inv_rows) > np.float32(flush_free_inv(fmt))   # NaN: no flush needed
+
+  @pl.when(needs_flush)
+  def _():
+    dst[...] = quantize_values(x, inv, fmt, clip=body.clip)
+
+  @pl.when(jnp.logical_not(needs_flush))
+  def _():
+    dst[...] = quantize_values(x, inv, fmt, clip=body.clip, flush=False)
+
+
+def quantize_block_tiles(src_smem, q_smem, s_smem, *, transposed, fmt, scale_format,
+                         body: RowQuantize):
   """The 1x128 tiles of a [128, 128] bf16 block (or of its transpose), shared memory to
   shared memory: q_smem [128, 128] fp8 and s_smem [1, 128] f32, one scale per row.
-  clip: clip before the cast (interpreted); on the GPU the cast saturates."""
+  body: row_quantize(interpret)."""
   import jax.experimental.pallas as pl
   for h in range(2):
     x = load_half(src_smem, h, transposed)
     s = scale_from_amax(row_amax(x), fmt, scale_format)
-    q_smem[pl.ds(h * HALF, HALF)] = quantize_half(x, s, fmt, clip)
+    quantize_half_into(q_smem.at[pl.ds(h * HALF, HALF)], x, s, fmt, body)
     s_smem[0, pl.ds(h * HALF, HALF)] = s
 
 
-def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose, clip):
-  """One CTA quantizes one 128x128 block of x [M, K] (edge blocks via TMA OOB). clip:
-  clip before the cast, as the interpreter needs (the GPU's cast saturates)."""
+def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose,
+                 body: RowQuantize):
+  """One CTA quantizes one 128x128 block of x [M, K] (edge blocks via TMA OOB); body:
+  row_quantize(interpret)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -172,14 +218,14 @@ def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose, clip)
           continue
         for h in range(2):
           dst[pl.ds(h * HALF, HALF)] = quantize_half(load_half(x_smem, h, transposed),
-                                                     s_block, fmt, clip)
+                                                     s_block, fmt, body.clip)
       s_smem[0, pl.ds(0, HALF)] = s_block
     else:
       quantize_block_tiles(x_smem, q_smem, s_smem, transposed=False, fmt=fmt,
-                           scale_format=scale_format, clip=clip)
+                           scale_format=scale_format, body=body)
       if with_transpose:
         quantize_block_tiles(x_smem, qt_smem, st_smem, transposed=True, fmt=fmt,
-                             scale_format=scale_format, clip=clip)
+                             scale_format=scale_format, body=body)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, q_gmem.at[rows, cols])
     if blocks:  # TMA writes >= 16 bytes: four copies of the block's scale.
@@ -219,19 +265,23 @@ def quantize_kernel_name(shape, blocks: bool, with_transpose: bool) -> str:
   return f"{KERNEL_NAME}_{kind}{'_t' if with_transpose else ''}_{shape[0]}x{shape[1]}"
 
 
-def clip_in_kernel(interpret: bool) -> bool:
-  """Whether a kernel clips before its fp8 cast: interpreted (XLA's convert does not
-  saturate), or where GPU_CAST_SATURATES is turned off."""
-  return bool(interpret) or not GPU_CAST_SATURATES
+def row_quantize(interpret: bool) -> RowQuantize:
+  """The kernels' RowQuantize under KERNEL_QUANTIZE: "lean" clips only when interpreted
+  (XLA's convert does not saturate) and flushes only where it matters; "full" does both
+  everywhere."""
+  if KERNEL_QUANTIZE not in ("lean", "full"):
+    raise ValueError(f"KERNEL_QUANTIZE={KERNEL_QUANTIZE!r}: 'lean' or 'full'")
+  full = KERNEL_QUANTIZE == "full"
+  return RowQuantize(clip=bool(interpret) or full, flush_every_element=full)
 
 
 @functools.lru_cache(maxsize=None)
 def _quantize_kernel(out_type, grid, fmt, scale_format, blocks, with_transpose, interpret,
-                     clip):
+                     row: RowQuantize):
   """The jitted kernel of one static signature, built once (lowered once per program)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   body = functools.partial(_kernel_body, fmt=fmt, scale_format=scale_format,
-                           blocks=blocks, with_transpose=with_transpose, clip=clip)
+                           blocks=blocks, with_transpose=with_transpose, body=row)
   return jax.jit(plgpu.kernel(
       body, out_type=out_type, grid=grid, grid_names=("m", "k"),
       kernel_name=quantize_kernel_name(out_type[0].shape, blocks, with_transpose),
@@ -259,7 +309,7 @@ def _quantize_2d(x, *, fmt, scale_format, blocks, with_transpose, interpret):
   if with_transpose:
     out_type += [jax.ShapeDtypeStruct((kp, mp), dtype), jax.ShapeDtypeStruct((mb, kp), f32)]
   outs = _quantize_kernel(tuple(out_type), (mb, kb), fmt, scale_format, blocks, with_transpose,
-                          interpret, clip_in_kernel(interpret))(xp)
+                          interpret, row_quantize(interpret))(xp)
   q = outs[0][:m, :k]
   s = outs[1][:, ::4] if blocks else outs[1].T[:m]
   if blocks and with_transpose:
