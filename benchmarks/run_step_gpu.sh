@@ -40,6 +40,8 @@
 #        lean (1.5B at 2 x 8192: bf16, the default infir2, that with fp8 moments),
 #        bf16qkv (1.5B at 2 x 8192: bf16 with q|k|v as one product and as three, the default
 #        infir2, that with fp8 moments),
+#        quantlean (the quantize kernels "lean" vs "full" alone at the 1.5B's shapes, then
+#        1.5B at 2 x 8192: bf16, infir2 lean and full, bf16 with three q/k/v products),
 #        7bspeed (7B at 4 x 4096: bf16 as configs/7b.py has it, infir2 unrolled with fp8
 #        moments, the fused loss and the fused FP8 AdamW step under save_dots and save_dots_fp8),
 #        triton (1.5B at 2 x 8192, profiled: bf16, the default infir2, that with
@@ -225,6 +227,14 @@ elif [[ $STAGE == bf16qkv ]]; then
   # default infir2 and :lean's FP8 moments (issue 35's 1.5B target: <= the default's time).
   step_1p5b bf16,bf16~precision.fused_qkv=False,infir2,infir2~opt.moments=fp8 40 --profile_dir=/tmp/prof \
     --hlo_dir="$OUT/hlo"
+elif [[ $STAGE == quantlean ]]; then
+  # Session 27 (issue 33): the quantize kernels leave the clip to the saturating fp8 cast and
+  # flush subnormals only where it can matter ("lean") against the session-26 body ("full"):
+  # alone (1.5B shapes, outputs checked on the device with saturating and subnormal tiles),
+  # then in the step beside bf16 with q|k|v as one product and as three.
+  timeout 110 python3 benchmarks/quantize_backends.py --models 1p5b --warps "" --iters 10 \
+    --out "$OUT/quantize_lean.json" 2>&1 | grep -vE "^W0000|^I0000|^$" | tail -4
+  step_1p5b bf16,infir2,infir2~INFIR2_KERNEL_QUANTIZE=full,bf16~precision.fused_qkv=False 30
 elif [[ $STAGE == triton ]]; then
   # Issue 33's design 2 in the step, after run_kernels_gpu.sh triton shows the kernels alone
   # faster: the default infir2 with every 1x128 quantizer (X, dY, SwiGLU's) as a Pallas

@@ -96,9 +96,20 @@ def _batches(cfg, count: int, shuffle_seed: int, data: str):
 
 def split_label(label: str) -> tuple[str, list[str]]:
   """"infir2~precision.backend=xla" -> ("infir2", ["precision.backend=xla"]); XLA flags
-  ("infir2~--xla_gpu_async_copy_min_bytes=1000000000000") are left out (see xla_flags_of)."""
+  ("infir2~--xla_gpu_async_copy_min_bytes=1000000000000") and environment variables
+  ("infir2~INFIR2_KERNEL_QUANTIZE=full") are left out (see xla_flags_of, env_of)."""
   recipe, *overrides = label.split("~")
-  return recipe, [o for o in overrides if not o.startswith("--xla")]
+  return recipe, [o for o in overrides if not o.startswith("--xla") and not _is_env(o)]
+
+
+def _is_env(part: str) -> bool:
+  name = part.split("=", 1)[0]
+  return "=" in part and name.startswith("INFIR2_") and name.upper() == name
+
+
+def env_of(label: str) -> dict[str, str]:
+  """The environment variables a label sets for its child ("~INFIR2_NAME=value" parts)."""
+  return dict(o.split("=", 1) for o in label.split("~")[1:] if _is_env(o))
 
 
 def _file_tag(label: str) -> str:
@@ -309,7 +320,7 @@ def main():
     cmd = [sys.executable, __file__, "--child", tag] + [
         a for a in sys.argv[1:] if not a.startswith("--out")]
     with tempfile.TemporaryFile("w+") as log:  # a file (pipes can block), removed on close
-      env, flags = dict(os.environ), xla_flags_of(label)
+      env, flags = {**os.environ, **env_of(label)}, xla_flags_of(label)
       if flags:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
       proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)

@@ -58,6 +58,14 @@ def test_pipelined_hides_the_dispatch_that_blocked_timing_counts():
   assert median(blocked) == pytest.approx(0.09, abs=0.012)
 
 
+def test_a_label_splits_into_recipe_overrides_xla_flags_and_environment():
+  label = "infir2~INFIR2_KERNEL_QUANTIZE=full~precision.fused_qkv=False~--xla_gpu_foo=1"
+  assert bench.split_label(label) == ("infir2", ["precision.fused_qkv=False"])
+  assert bench.xla_flags_of(label) == ["--xla_gpu_foo=1"]
+  assert bench.env_of(label) == {"INFIR2_KERNEL_QUANTIZE": "full"}
+  assert bench.env_of("infir2~model.remat=none") == {}
+
+
 def test_unknown_timing_is_refused():
   with pytest.raises(ValueError, match="pipelined or blocked"):
     bench.timed_steps(lambda s, b: (s, {"loss": 0.0}), 0, [0], "async")

@@ -23,6 +23,7 @@ written K-block-major ([Kb, M], [Mb, K]), the layout the GEMM reads; the
 returned [M, Kb] views are transposes that XLA cancels against the GEMM's.
 """
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -41,8 +42,9 @@ TILE = 128
 #           subnormal flush runs only for rows where it can change a code (flush_free_inv);
 #           interpreted, the clip stays (XLA's convert does not saturate);
 #   "full": the clip and the flush on every element, as the kernels did before session 27.
-# Both give the reference's bits; benchmarks/quantize_backends.py times them side by side.
-KERNEL_QUANTIZE = "lean"
+# Both give the reference's bits; benchmarks/quantize_backends.py times them side by side,
+# benchmarks/train_step.py in the step ($INFIR2_KERNEL_QUANTIZE sets the default).
+KERNEL_QUANTIZE = os.environ.get("INFIR2_KERNEL_QUANTIZE", "lean")
 
 
 class RowQuantize(NamedTuple):
