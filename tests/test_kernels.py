@@ -194,6 +194,7 @@ def _special_input(m, k, seed=0):
   x[1, 3] = 2e-38
   x[m - 1, k - 1] = np.nan
   x[2, 7] = -np.inf
+  x[4, 9] = np.nan   # a NaN row beside the subnormal one: its NaN scale must not hide row 1's flush
   if m > 3 and k >= 128:   # a tile whose ue8m0 scale is capped: it saturates at +-fmax * cap
     x[3, :128] = np.linspace(-3.35e38, 3.35e38, 128)
   return jnp.asarray(x, jnp.bfloat16)
@@ -256,6 +257,24 @@ def test_the_clip_the_gpu_kernels_leave_to_the_cast_matters_only_in_capped_tiles
     assert not same[capped].all()          # the capped tiles do need the clip
   fmax = formats.get_format(fmt).max
   np.testing.assert_array_equal(np.abs(clipped[capped & ~same[:, 0]][:, :2]), fmax)
+
+
+def test_a_row_needs_the_flush_only_where_its_scale_lets_a_subnormal_reach_a_code():
+  """quantize.rows_need_flush: true where some row's 1 / scale passes flush_free_inv (2**116
+  E4M3, 2**109 E5M2), a NaN row hiding nothing; and at that bound the largest subnormal's
+  product rounds to zero in the format, one binade above it does not."""
+  need = lambda inv, fmt="e4m3": bool(quantize.rows_need_flush(jnp.asarray(inv, jnp.float32),
+                                                               fmt))
+  assert np.log2(quantize.flush_free_inv("e4m3")) == 116
+  assert np.log2(quantize.flush_free_inv("e5m2")) == 109
+  assert not need([1.0, 2.0**116, 0.0])   # 0: an infinite scale (inv is never above 2**126)
+  assert need([1.0, 2.0**117]) and need([np.nan, 2.0**126]) and not need([np.nan, 1.0])
+  assert need([2.0**110], "e5m2") and not need([2.0**110], "e4m3")
+  largest_subnormal = np.float32(np.nextafter(np.float32(2.0**-126), np.float32(0)))
+  for fmt, dtype in (("e4m3", ml_dtypes.float8_e4m3fn), ("e5m2", ml_dtypes.float8_e5m2)):
+    bound = np.float32(quantize.flush_free_inv(fmt))
+    assert float((largest_subnormal * bound).astype(dtype)) == 0.0
+    assert float((largest_subnormal * bound * 2).astype(dtype)) != 0.0
 
 
 def test_quantize_reference_semantics_numpy():

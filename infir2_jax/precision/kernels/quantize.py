@@ -161,6 +161,15 @@ def flush_free_inv(fmt: str) -> float:
   return tiny / 2 / float(formats.SCALE_FLOOR)
 
 
+def rows_need_flush(inv_rows, fmt: str):
+  """Whether any row's 1 / scale is above flush_free_inv(fmt): a scalar for the warpgroup.
+  Compared row by row before the max, so a NaN row (whose codes are NaN anyway) cannot hide
+  another row's need. (The CPU cannot test the flush itself: XLA:CPU treats subnormal
+  inputs as zero, so the GPU checks it, benchmarks/quantize_backends.py.)"""
+  over = jnp.where(inv_rows > np.float32(flush_free_inv(fmt)), 1.0, 0.0)
+  return jnp.max(over) > 0.5
+
+
 def quantize_half_into(dst, x, s, fmt: str, body: RowQuantize):
   """dst[...] = quantize_half(x, s). Unless body.flush_every_element, the subnormal flush
   runs only where some row's 1 / s is above flush_free_inv (a tile of amax below ~2**-107;
@@ -172,7 +181,7 @@ def quantize_half_into(dst, x, s, fmt: str, body: RowQuantize):
     return
   inv_rows = 1.0 / s
   inv = lax.broadcast_in_dim(inv_rows, x.shape, (0,))
-  needs_flush = jnp.max(inv_rows) > np.float32(flush_free_inv(fmt))   # NaN: no flush needed
+  needs_flush = rows_need_flush(inv_rows, fmt)
 
   @pl.when(needs_flush)
   def _():
