@@ -155,17 +155,13 @@ def check_mosaic(case, mode, inputs):
   reference's; the fused kernels' tiles bit for bit the reference quantizer's of the values
   the kernel made."""
   inputs = _saturating(case, inputs)
-  saved, quantize.KERNEL_QUANTIZE = quantize.KERNEL_QUANTIZE, mode
-  try:
-    if case == "quantize":
-      out = jax.jit(lambda x: kernels.quantize_tiles(x, with_transpose=True))(*inputs)
-      ref = jax.jit(lambda x: kernels.quantize_tiles_reference(x, with_transpose=True))(
-          *inputs)
-      return {"bit_identical_to_reference": all(_same(o, r) for o, r in zip(out, ref))}
-    fn = kernels.swiglu_quantize if case == "swiglu" else kernels.swiglu_bwd_quantize
-    *quantized, values = jax.jit(lambda *a: fn(*a, with_values=True))(*inputs)
-  finally:
-    quantize.KERNEL_QUANTIZE = saved
+  if case == "quantize":
+    out = _with_mode(mode, jax.jit(lambda x: kernels.quantize_tiles(x, with_transpose=True)),
+                     *inputs)
+    ref = jax.jit(lambda x: kernels.quantize_tiles_reference(x, with_transpose=True))(*inputs)
+    return {"bit_identical_to_reference": all(_same(o, r) for o, r in zip(out, ref))}
+  fn = kernels.swiglu_quantize if case == "swiglu" else kernels.swiglu_bwd_quantize
+  *quantized, values = _with_mode(mode, jax.jit(lambda *a: fn(*a, with_values=True)), *inputs)
   requant = jax.jit(lambda v: kernels.quantize_tiles_reference(v, with_transpose=True))(values)
   fmax = float(jnp.finfo(quantized[0].dtype).max)
   return {"quantized_bit_identical_to_its_values": all(

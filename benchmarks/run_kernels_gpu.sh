@@ -68,7 +68,7 @@ if [[ $STAGE == triton ]]; then  # issue 33: Mosaic vs Triton (8/16/32 warps) vs
   timeout 200 python3 benchmarks/quantize_backends.py --out "$OUT/quantize_backends_h200.json" \
     2>&1 | grep -vE "^W0000|^I0000|^$" | tee "$OUT/quantize_backends.log" | tail -12
 fi
-if [[ $STAGE == saturate ]]; then  # session 27: the quantizers leave the clip to the fp8 cast
+if [[ $STAGE == saturate ]]; then  # session 27: the lean quantizers' GPU tests, lean vs full
   timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider \
     -k "quantize" 2>&1 | tee "$OUT/gpu_tests.log" | tail -6
   timeout 240 python3 benchmarks/quantize_backends.py --out "$OUT/quantize_saturate.json" \

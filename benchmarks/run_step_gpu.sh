@@ -38,8 +38,6 @@
 #        7bmem (7B at 4 x 4096: infir2 as configs/7b.py has it, and unrolled with fp8
 #        moments, the fused loss and the fused FP8 AdamW step: the <= 78 GiB candidate),
 #        lean (1.5B at 2 x 8192: bf16, the default infir2, that with fp8 moments),
-#        bf16qkv (1.5B at 2 x 8192: bf16 with q|k|v as one product and as three, the default
-#        infir2, that with fp8 moments),
 #        quantlean (the quantize kernels "lean" vs "full" alone at the 1.5B's shapes, then
 #        1.5B at 2 x 8192: bf16, infir2 lean and full, bf16 with three q/k/v products),
 #        7bspeed (7B at 4 x 4096: bf16 as configs/7b.py has it, infir2 unrolled with fp8
@@ -221,12 +219,6 @@ elif [[ $STAGE == qkv ]]; then
   # Session 26 (issue 33): q, k and v as one FP8 product (precision.fused_qkv, now the
   # default) against three, with every projection's gradient in bf16 in both, and bf16.
   step_1p5b bf16,infir2,infir2~precision.fused_qkv=False 30
-elif [[ $STAGE == bf16qkv ]]; then
-  # Session 27: bf16's q|k|v as one product too (precision.fused_qkv now covers bf16: one
-  # dgrad GEMM over K = 2048 instead of three and two bf16 adds) against three, then the
-  # default infir2 and :lean's FP8 moments (issue 35's 1.5B target: <= the default's time).
-  step_1p5b bf16,bf16~precision.fused_qkv=False,infir2,infir2~opt.moments=fp8 40 --profile_dir=/tmp/prof \
-    --hlo_dir="$OUT/hlo"
 elif [[ $STAGE == quantlean ]]; then
   # Session 27 (issue 33): the quantize kernels leave the clip to the saturating fp8 cast and
   # flush subnormals only where it can matter ("lean") against the session-26 body ("full"):
