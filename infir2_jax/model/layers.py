@@ -3,16 +3,20 @@
 Shape legend: B batch, L length, D model width, F MLP width, Dh head size.
 """
 
+import functools
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from infir2_jax.model.axes import TOKEN_AXES, compute_axes
 from infir2_jax.precision import swiglu
+from infir2_jax.precision.cotangents import cotangent_is_buffer
 from infir2_jax.precision.per_shard import MlpAxes, ProjectionAxes
 
 DotGeneral = Callable[..., jax.Array]
@@ -107,6 +111,51 @@ class LinearParams(nn.Module):
   @nn.compact
   def __call__(self, in_features: int) -> tuple[jax.Array, jax.Array | None]:
     return _compute_kernel(self, in_features), (_bias(self) if self.use_bias else None)
+
+
+# How the embedding's backward sums the gradients of repeated tokens: "f32" (default) in
+# float32, rounded once to the table's dtype; "autodiff" is jnp.take's own transpose, a
+# scatter-add in the table's dtype (bf16 atomics on the GPU). INFIR2_EMBED_GRAD, for A/B runs.
+EMBED_GRAD = os.environ.get("INFIR2_EMBED_GRAD", "f32")
+
+
+def embed_lookup(table_VxD: jax.Array, tokens: jax.Array) -> jax.Array:
+  """jnp.take(table_VxD, tokens, axis=0), the rows of the tokens, whose gradient for the
+  table adds each token's rows in float32 and rounds the sums once (EMBED_GRAD "f32").
+
+  jnp.take's own transpose scatter-adds the cotangent rows in the table's dtype: a token
+  seen n times in a bf16 step collects n bf16 roundings (and on the GPU bf16 atomics, 4.2 ms
+  of a 1.5B step at 2 x 8192). Here a float32 scatter-add makes the sums and one cast rounds
+  them, so the table's cotangent is one buffer rounded once (marked cotangent_is_buffer: an
+  untied table keeps its gradient in bf16 to the optimizer, train/grads.py)."""
+  if EMBED_GRAD not in ("f32", "autodiff"):
+    raise ValueError(f"INFIR2_EMBED_GRAD={EMBED_GRAD!r}: 'f32' or 'autodiff'")
+  if EMBED_GRAD == "autodiff" or table_VxD.dtype == jnp.float32:
+    return jnp.take(table_VxD, tokens, axis=0)
+  return _take_rows(table_VxD.shape[0], table_VxD, tokens)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _take_rows(vocab: int, table_VxD, tokens):
+  del vocab
+  return jnp.take(table_VxD, tokens, axis=0)
+
+
+def _take_rows_fwd(vocab: int, table_VxD, tokens):
+  del vocab
+  return jnp.take(table_VxD, tokens, axis=0), tokens
+
+
+@cotangent_is_buffer
+def _take_rows_bwd(vocab: int, tokens, g):
+  """The float32 sums of each token's cotangent rows, rounded once. Indices as jnp.take
+  reads them: negative ones from the end, out-of-range ones (NaN rows forward) dropped."""
+  sums = jnp.zeros((vocab, g.shape[-1]), jnp.float32).at[tokens].add(
+      g.astype(jnp.float32), mode="drop")
+  return sums.astype(g.dtype), np.zeros(tokens.shape, jax.dtypes.float0)
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 class RMSNorm(nn.Module):

@@ -10,7 +10,7 @@ from infir2_jax.model.attention import Attention
 from infir2_jax.model.axes import compute_axes
 from infir2_jax.model.config import ModelConfig
 from infir2_jax.model.layers import (
-    MLP, DotGeneralFactory, Linear, RMSNorm, default_dot_general_factory)
+    MLP, DotGeneralFactory, Linear, RMSNorm, default_dot_general_factory, embed_lookup)
 from infir2_jax.model.remat import POLICIES
 
 
@@ -68,7 +68,7 @@ class Qwen2(nn.Module):
                      name="embed_tokens")
     table_VxD = nn.with_logical_constraint(embed.embedding.astype(dtype),
                                            compute_axes(("vocab", "embed")))
-    x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0)
+    x_BxLxD = embed_lookup(table_VxD, tokens_BxL)
     x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "act_embed"))
 
     if cfg.scan_layers and not (self.is_initializing() or decode):

@@ -1,6 +1,7 @@
 """Token-level cross-entropy in float32, returned as sums so micro-batches add up exactly."""
 
 import functools
+import os
 from collections.abc import Callable
 
 import jax
@@ -11,6 +12,48 @@ from infir2_jax.precision import gemm
 from infir2_jax.precision.cotangents import cotangent_is_buffer
 
 
+# How the loss takes log-sum-exp over the vocabulary: "one_pass" (default) reads the float32
+# logits once, the max and the sum of exponentials carried together; "two_pass" is
+# jax.nn.logsumexp (a max pass, then a sum pass). INFIR2_LOGSUMEXP, for A/B runs.
+LOGSUMEXP = os.environ.get("INFIR2_LOGSUMEXP", "one_pass")
+
+
+def logsumexp(x: jax.Array) -> jax.Array:
+  """log(sum(exp(x))) over the last axis of float32 x, without overflow (LOGSUMEXP)."""
+  if LOGSUMEXP not in ("one_pass", "two_pass"):
+    raise ValueError(f"INFIR2_LOGSUMEXP={LOGSUMEXP!r}: 'one_pass' or 'two_pass'")
+  if LOGSUMEXP == "two_pass":
+    return jax.nn.logsumexp(x, axis=-1)
+  return _logsumexp_one_pass(x)
+
+
+def _max_and_sum(a, b):
+  """Merges two (max m, sum of exp(x - m)) pairs: each sum rescaled to the larger max (a
+  factor of exactly 1 where its max is the larger: no -inf - -inf)."""
+  (m1, s1), (m2, s2) = a, b
+  m = jnp.maximum(m1, m2)
+  rescale = lambda mi, si: si * jnp.where(mi == m, 1.0, jnp.exp(mi - m))
+  return m, rescale(m1, s1) + rescale(m2, s2)
+
+
+@jax.custom_jvp
+def _logsumexp_one_pass(x: jax.Array) -> jax.Array:
+  """One variadic reduction over the last axis: each element enters as (x, 1) and pairs merge
+  by _max_and_sum (the online softmax's running max and sum), so the logits [tokens, V] are
+  read once where the max-then-sum form reads them twice (0.8 ms a pass for a 1.5B chunk of
+  4,096 tokens on the H100). Derivative: softmax, exp(x - lse), as the fused loss's own."""
+  m, s = jax.lax.reduce((x, jnp.ones_like(x)), (np.float32(-np.inf), np.float32(0)),
+                        _max_and_sum, (x.ndim - 1,))
+  return m + jnp.log(s)
+
+
+@_logsumexp_one_pass.defjvp
+def _logsumexp_one_pass_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  out = _logsumexp_one_pass(x)
+  return out, jnp.sum(jnp.exp(x - out[..., None]) * t, axis=-1)
+
+
 def cross_entropy_sums(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
                        weights_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(sum of weighted token losses, sum of weights). Per-token mean = first / second.
@@ -18,7 +61,7 @@ def cross_entropy_sums(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
   Logits are upcast to float32 before the log-softmax (they usually already are).
   """
   logits = logits_BxLxV.astype(jnp.float32)
-  log_z_BxL = jax.nn.logsumexp(logits, axis=-1)
+  log_z_BxL = logsumexp(logits)
   target_logit_BxL = jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]
   weights = weights_BxL.astype(jnp.float32)
   return jnp.sum((log_z_BxL - target_logit_BxL) * weights), jnp.sum(weights)
@@ -107,7 +150,7 @@ def _fused_head_ce_fwd(hidden, weight, targets, weights, chunk, vocab_axis, dtyp
     loss, count, dweight = carry
     h, t, m = chunk_inputs
     logits = gemm.bf16_dot_general(h, weight, logits_dims, preferred_element_type=jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
+    log_z = logsumexp(logits)
     target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
     m = m.astype(jnp.float32)
     loss, count = loss + jnp.sum((log_z - target_logit) * m), count + jnp.sum(m)

@@ -1,0 +1,81 @@
+"""The embedding lookup's gradient (model/layers.embed_lookup): repeated tokens' rows are
+summed in float32 and rounded once, against a float64 NumPy sum."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from infir2_jax.model import layers
+
+
+def _skewed_problem(vocab=40, d=16, n=4096, seed=0):
+  """bf16 table and cotangent rows; token 3 is ~80% of the tokens, as frequent tokens
+  ("the", ",") are of text, so its gradient is a sum of ~3,300 rows."""
+  rng = np.random.default_rng(seed)
+  table = jnp.asarray(rng.standard_normal((vocab, d)), jnp.bfloat16)
+  tokens = np.where(rng.random(n) < 0.8, 3, rng.integers(0, vocab, n)).astype(np.int32)
+  g = rng.standard_normal((n, d)).astype(ml_dtypes.bfloat16)
+  return table, tokens, g
+
+
+def _table_gradient(lookup, table, tokens, g):
+  g32 = jnp.asarray(g, jnp.float32)
+  loss = lambda t: jnp.sum(lookup(t, jnp.asarray(tokens)).astype(jnp.float32) * g32)
+  return np.asarray(jax.jit(jax.grad(loss))(table))
+
+
+def _float64_sums(vocab, tokens, g):
+  ref = np.zeros((vocab, g.shape[-1]))
+  np.add.at(ref, tokens, g.astype(np.float64))
+  return ref
+
+
+def test_repeated_tokens_sum_in_float32_and_round_once():
+  table, tokens, g = _skewed_problem()
+  ref = _float64_sums(table.shape[0], tokens, g)
+  got = _table_gradient(layers.embed_lookup, table, tokens, g)
+  assert got.dtype == ml_dtypes.bfloat16
+  # float32 sums of bf16 rows (exact: 4,096 rows of 8-bit mantissas, |sum| < 2**16) rounded
+  # once: the float64 sums rounded to bf16, bit for bit
+  np.testing.assert_array_equal(got, ref.astype(ml_dtypes.bfloat16))
+  # jnp.take's own transpose adds the rows in bf16: the frequent token's sums drift by far
+  # more than a rounding (the test can fail)
+  autodiff = _table_gradient(lambda t, i: jnp.take(t, i, axis=0), table, tokens, g)
+  err = lambda x: np.abs(x.astype(np.float64) - ref)[3].max()
+  half_ulp = np.abs(ref[3]).max() * 2.0**-8
+  assert err(got) <= half_ulp < err(autodiff) / 4, (err(got), err(autodiff))
+
+
+def test_indices_as_take_reads_them():
+  """Negative indices count from the end; out-of-range ones (NaN rows forward, jnp.take's
+  fill) add nothing, as in jnp.take's transpose."""
+  table, _, _ = _skewed_problem(vocab=8, d=4)
+  tokens = np.array([0, -1, 7, 9, -20, 2, 2], np.int32)
+  g = np.arange(1, 1 + 7 * 4, dtype=np.float32).reshape(7, 4).astype(ml_dtypes.bfloat16)
+  got = _table_gradient(layers.embed_lookup, table, tokens, g)
+  want = _table_gradient(lambda t, i: jnp.take(t, i, axis=0), table, tokens, g)
+  np.testing.assert_array_equal(got, want)   # small exact sums: the same either way
+  ref = np.zeros((8, 4))
+  for row, tok in zip(g.astype(np.float64), tokens):
+    if -8 <= tok < 8:
+      ref[tok] += row
+  np.testing.assert_array_equal(got.astype(np.float64), ref)
+  forward = np.asarray(layers.embed_lookup(table, jnp.asarray(tokens)), np.float64)
+  np.testing.assert_array_equal(forward[:3], np.asarray(table, np.float64)[[0, 7, 7]])
+  assert np.isnan(forward[3]).all() and np.isnan(forward[4]).all()
+
+
+def test_float32_tables_and_the_autodiff_switch_use_jnp_take(monkeypatch):
+  table, tokens, _ = _skewed_problem(vocab=8, d=4, n=64)
+  t32 = table.astype(jnp.float32)
+  # a new function each time: make_jaxpr caches its trace by function
+  jaxpr = lambda t: jax.make_jaxpr(lambda x: layers.embed_lookup(x, tokens))(t)
+  assert "custom_vjp_call" not in str(jaxpr(t32))
+  assert "custom_vjp_call" in str(jaxpr(table))
+  monkeypatch.setattr(layers, "EMBED_GRAD", "autodiff")
+  assert "custom_vjp_call" not in str(jaxpr(table))
+  monkeypatch.setattr(layers, "EMBED_GRAD", "bf16")
+  with pytest.raises(ValueError, match="INFIR2_EMBED_GRAD='bf16'"):
+    layers.embed_lookup(table, tokens)
