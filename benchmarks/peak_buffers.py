@@ -36,6 +36,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from infir2_jax.bench import labels  # pylint: disable=wrong-import-position
+
 _ENTRY = re.compile(r"^      [├└]── (.+?) \(([\d.]+)%, total: ([\d ]+) bytes")
 _PEAK = re.compile(r"Live ranges at (\d+) \(peak\)")
 
@@ -110,6 +112,7 @@ def _child(config: str, label: str, seq_len: int, batch_size: int, attached: boo
   the attached GPU."""
   import sharding_gpu  # benchmarks/
   recipe, *overrides = label.split("~")
+  overrides = [o for o in overrides if not labels.is_env_part(o)]   # in the environment
   spec = {"config": config, "tiny": False, "recipe": recipe, "seq_len": seq_len,
           "batch_size": batch_size, "mesh": [1, 1, 1], "devices": 1, "overrides": overrides,
           "attached": attached}
@@ -152,7 +155,7 @@ def main(argv):
                     "deviceless compile for the H200 (INFIR2_GPU_TARGET_CONFIG)"), "rows": {}}
   for label in args.variants.split(","):
     with tempfile.TemporaryDirectory() as dump:
-      env = dict(os.environ, INFIR2_PEAK_DUMP=dump,
+      env = dict(os.environ, **labels.env_of(label), INFIR2_PEAK_DUMP=dump,
                  XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                             f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*train_step.*"
                             " --xla_dump_hlo_pass_re=NONE").strip())

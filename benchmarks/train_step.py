@@ -35,6 +35,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from infir2_jax.bench import labels  # pylint: disable=wrong-import-position
+
 PEAK_BF16 = 989e12
 WARMUP_STEPS = 2
 
@@ -102,14 +104,7 @@ def split_label(label: str) -> tuple[str, list[str]]:
   return recipe, [o for o in overrides if not o.startswith("--xla") and not _is_env(o)]
 
 
-def _is_env(part: str) -> bool:
-  name = part.split("=", 1)[0]
-  return "=" in part and name.startswith("INFIR2_") and name.upper() == name
-
-
-def env_of(label: str) -> dict[str, str]:
-  """The environment variables a label sets for its child ("~INFIR2_NAME=value" parts)."""
-  return dict(o.split("=", 1) for o in label.split("~")[1:] if _is_env(o))
+_is_env, env_of = labels.is_env_part, labels.env_of   # "~INFIR2_NAME=value" parts
 
 
 def _file_tag(label: str) -> str:

@@ -113,46 +113,72 @@ class LinearParams(nn.Module):
     return _compute_kernel(self, in_features), (_bias(self) if self.use_bias else None)
 
 
-# How the embedding's backward sums the gradients of repeated tokens: "f32" (default) in
-# float32, rounded once to the table's dtype; "autodiff" is jnp.take's own transpose, a
+# How the embedding's backward sums the gradients of repeated tokens: "f32" (default) sorts
+# the tokens and sums each one's rows in float32 ([tokens, D] of float32), rounded once;
+# "f32_table" scatter-adds them into a float32 copy of the whole table (0.87 GiB at 1.5B,
+# live at the step's peak), rounded once; "autodiff" is jnp.take's own transpose, a
 # scatter-add in the table's dtype (bf16 atomics on the GPU). INFIR2_EMBED_GRAD, for A/B runs.
 EMBED_GRAD = os.environ.get("INFIR2_EMBED_GRAD", "f32")
+EMBED_GRADS = ("f32", "f32_table", "autodiff")
 
 
 def embed_lookup(table_VxD: jax.Array, tokens: jax.Array) -> jax.Array:
   """jnp.take(table_VxD, tokens, axis=0), the rows of the tokens, whose gradient for the
-  table adds each token's rows in float32 and rounds the sums once (EMBED_GRAD "f32").
+  table adds each token's rows in float32 and rounds the sums once (EMBED_GRAD).
 
   jnp.take's own transpose scatter-adds the cotangent rows in the table's dtype: a token
   seen n times in a bf16 step collects n bf16 roundings (and on the GPU bf16 atomics, 4.2 ms
-  of a 1.5B step at 2 x 8192). Here a float32 scatter-add makes the sums and one cast rounds
-  them, so the table's cotangent is one buffer rounded once (marked cotangent_is_buffer: an
-  untied table keeps its gradient in bf16 to the optimizer, train/grads.py)."""
-  if EMBED_GRAD not in ("f32", "autodiff"):
-    raise ValueError(f"INFIR2_EMBED_GRAD={EMBED_GRAD!r}: 'f32' or 'autodiff'")
+  of a 1.5B step at 2 x 8192). Here the sums are float32 and one cast rounds them, so the
+  table's cotangent is one buffer rounded once (marked cotangent_is_buffer: an untied
+  table keeps its gradient in bf16 to the optimizer, train/grads.py)."""
+  if EMBED_GRAD not in EMBED_GRADS:
+    raise ValueError(f"INFIR2_EMBED_GRAD={EMBED_GRAD!r}: one of {EMBED_GRADS}")
   if EMBED_GRAD == "autodiff" or table_VxD.dtype == jnp.float32:
     return jnp.take(table_VxD, tokens, axis=0)
-  return _take_rows(table_VxD.shape[0], table_VxD, tokens)
+  return _take_rows(table_VxD.shape[0], EMBED_GRAD == "f32_table", table_VxD, tokens)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _take_rows(vocab: int, table_VxD, tokens):
-  del vocab
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _take_rows(vocab: int, whole_table: bool, table_VxD, tokens):
+  del vocab, whole_table
   return jnp.take(table_VxD, tokens, axis=0)
 
 
-def _take_rows_fwd(vocab: int, table_VxD, tokens):
-  del vocab
+def _take_rows_fwd(vocab: int, whole_table: bool, table_VxD, tokens):
+  del vocab, whole_table
   return jnp.take(table_VxD, tokens, axis=0), tokens
 
 
+def _token_sums(vocab: int, tokens, rows):
+  """The float32 sum of each distinct token's rows, scattered once into a table of zeros of
+  the rows' dtype: tokens sorted, each run of one token a segment ([tokens, D] of float32,
+  not [V, D]). Indices as jnp.take reads them: negative ones from the end, out-of-range
+  ones (NaN rows forward) dropped."""
+  t = tokens.reshape(-1)
+  rows = rows.reshape(t.shape[0], -1)
+  t = jnp.where(t < 0, t + vocab, t)
+  t = jnp.where((t >= 0) & (t < vocab), t, vocab)          # out of range: past the table
+  order = jnp.argsort(t, stable=True)
+  t = t[order]
+  first = jnp.concatenate([jnp.ones((1,), bool), t[1:] != t[:-1]])
+  segment = jnp.cumsum(first.astype(jnp.int32)) - 1        # the run each sorted row is in
+  sums = jax.ops.segment_sum(rows[order].astype(jnp.float32), segment,
+                             num_segments=t.shape[0], indices_are_sorted=True)
+  run_token = jnp.full(t.shape, vocab, t.dtype).at[segment].set(t)   # unused runs: dropped
+  return jnp.zeros((vocab, rows.shape[-1]), rows.dtype).at[run_token].set(
+      sums.astype(rows.dtype), mode="drop", unique_indices=True)
+
+
 @cotangent_is_buffer
-def _take_rows_bwd(vocab: int, tokens, g):
-  """The float32 sums of each token's cotangent rows, rounded once. Indices as jnp.take
-  reads them: negative ones from the end, out-of-range ones (NaN rows forward) dropped."""
-  sums = jnp.zeros((vocab, g.shape[-1]), jnp.float32).at[tokens].add(
-      g.astype(jnp.float32), mode="drop")
-  return sums.astype(g.dtype), np.zeros(tokens.shape, jax.dtypes.float0)
+def _take_rows_bwd(vocab: int, whole_table: bool, tokens, g):
+  """The float32 sums of each token's cotangent rows, rounded once (_token_sums, or with
+  whole_table a float32 scatter-add into the whole table)."""
+  if whole_table:
+    sums = jnp.zeros((vocab, g.shape[-1]), jnp.float32).at[tokens].add(
+        g.astype(jnp.float32), mode="drop").astype(g.dtype)
+  else:
+    sums = _token_sums(vocab, tokens, g)
+  return sums, np.zeros(tokens.shape, jax.dtypes.float0)
 
 
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
