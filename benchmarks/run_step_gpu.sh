@@ -51,8 +51,9 @@
 #        7bfast (7B unrolled, FP8 moments, the fused loss: bf16 with save_dots beside infir2
 #        with save_dots_fp8; then the <= 78 GiB candidate's autotuned buffers with the time left),
 #        qkv (1.5B at 2 x 8192: bf16, infir2 (q|k|v fused), infir2 with three q/k/v products),
-#        shared (1.5B at 2 x 8192: bf16 and infir2 with the float32 embedding-gradient sums and
-#        the one-pass log-sum-exp, then bf16 with both old forms: the shared part's two fixes),
+#        shared (1.5B at 2 x 8192: bf16 and infir2 with the float32 embedding-gradient sums
+#        (sorted) and the one-pass log-sum-exp, bf16 with the whole-table form session 28
+#        timed, infir2 with both old forms: the shared part's two fixes),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
 set -o pipefail
@@ -224,9 +225,12 @@ elif [[ $STAGE == qkv ]]; then
 elif [[ $STAGE == shared ]]; then
   # Session 28 (issues 34/33): the embedding's backward sums repeated tokens in float32 (it was
   # a bf16 scatter-add: 4.2 ms of bf16 atomics in the H100 profile) and the loss reads each
-  # chunk's float32 logits once for log-sum-exp (max and sum carried together); the last row
-  # is bf16 with both old forms (INFIR2_EMBED_GRAD=autodiff, INFIR2_LOGSUMEXP=two_pass).
-  step_1p5b bf16,infir2,bf16~INFIR2_EMBED_GRAD=autodiff~INFIR2_LOGSUMEXP=two_pass 30
+  # chunk's float32 logits once for log-sum-exp (max and sum carried together). Session 28
+  # timed bf16 with both against both old forms (-5.1 ms) with the whole-table float32 sums
+  # (INFIR2_EMBED_GRAD=f32_table: +0.9 GiB at the peak); the default since sorts the tokens
+  # (no table-sized float32 buffer). Rows: both recipes as they are, bf16 with the table
+  # form, infir2 with both old forms (INFIR2_EMBED_GRAD=autodiff, INFIR2_LOGSUMEXP=two_pass).
+  step_1p5b bf16,infir2,bf16~INFIR2_EMBED_GRAD=f32_table,infir2~INFIR2_EMBED_GRAD=autodiff~INFIR2_LOGSUMEXP=two_pass 40
 elif [[ $STAGE == quantlean ]]; then
   # Session 27 (issue 33): the quantize kernels leave the clip to the saturating fp8 cast and
   # flush subnormals only where it can matter ("lean") against the session-26 body ("full"):

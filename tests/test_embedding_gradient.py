@@ -84,3 +84,24 @@ def test_float32_tables_and_the_autodiff_switch_use_jnp_take(monkeypatch):
   monkeypatch.setattr(layers, "EMBED_GRAD", "bf16")
   with pytest.raises(ValueError, match="INFIR2_EMBED_GRAD='bf16': one of"):
     layers.embed_lookup(table, tokens)
+
+
+def test_a_mesh_of_several_devices_sums_into_the_table():
+  """On a mesh of several devices the backward scatter-adds into a float32 table (sharded
+  as XLA's partitioner lays it out) instead of sorting every device's tokens: no sort in
+  the program, and the same float32 sums rounded once."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  table, tokens, g = _skewed_problem(n=1024)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  ref = _float64_sums(table.shape[0], tokens, g).astype(ml_dtypes.bfloat16)
+  with jax.set_mesh(mesh):
+    tok = jax.device_put(jnp.asarray(tokens.reshape(8, -1)), NamedSharding(mesh, P("data")))
+    g32 = jax.device_put(jnp.asarray(g, jnp.float32).reshape(8, -1, g.shape[-1]),
+                         NamedSharding(mesh, P("data")))
+    loss = lambda t: jnp.sum(layers.embed_lookup(t, tok).astype(jnp.float32) * g32)
+    assert " sort[" not in str(jax.make_jaxpr(jax.grad(loss))(table))
+    got = np.asarray(jax.jit(jax.grad(loss))(table))
+  np.testing.assert_array_equal(got, ref)
+  assert " sort[" in str(jax.make_jaxpr(jax.grad(
+      lambda t: jnp.sum(layers.embed_lookup(t, jnp.asarray(tokens)).astype(jnp.float32))))(
+          table))

@@ -114,10 +114,12 @@ class LinearParams(nn.Module):
 
 
 # How the embedding's backward sums the gradients of repeated tokens: "f32" (default) sorts
-# the tokens and sums each one's rows in float32 ([tokens, D] of float32), rounded once;
-# "f32_table" scatter-adds them into a float32 copy of the whole table (0.87 GiB at 1.5B,
-# live at the step's peak), rounded once; "autodiff" is jnp.take's own transpose, a
-# scatter-add in the table's dtype (bf16 atomics on the GPU). INFIR2_EMBED_GRAD, for A/B runs.
+# the tokens and sums each one's rows in float32 ([tokens, D] of float32), rounded once (on
+# a mesh of several devices the table form below: a sort would gather every device's
+# tokens and rows); "f32_table" scatter-adds them into a float32 copy of the whole table
+# (0.87 GiB at 1.5B on one device, live at the step's peak; sharded as the table is),
+# rounded once; "autodiff" is jnp.take's own transpose, a scatter-add in the table's dtype
+# (bf16 atomics on the GPU). INFIR2_EMBED_GRAD, for A/B runs.
 EMBED_GRAD = os.environ.get("INFIR2_EMBED_GRAD", "f32")
 EMBED_GRADS = ("f32", "f32_table", "autodiff")
 
@@ -135,7 +137,9 @@ def embed_lookup(table_VxD: jax.Array, tokens: jax.Array) -> jax.Array:
     raise ValueError(f"INFIR2_EMBED_GRAD={EMBED_GRAD!r}: one of {EMBED_GRADS}")
   if EMBED_GRAD == "autodiff" or table_VxD.dtype == jnp.float32:
     return jnp.take(table_VxD, tokens, axis=0)
-  return _take_rows(table_VxD.shape[0], EMBED_GRAD == "f32_table", table_VxD, tokens)
+  mesh = jax.sharding.get_abstract_mesh()
+  whole_table = EMBED_GRAD == "f32_table" or not (mesh.empty or mesh.size == 1)
+  return _take_rows(table_VxD.shape[0], whole_table, table_VxD, tokens)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
