@@ -1,5 +1,5 @@
-"""train/loss.py's one-pass log-sum-exp against float64 NumPy, special values and its
-derivative (softmax)."""
+"""train/loss.py's log-sum-exp (one pass on CUDA GPUs, two elsewhere) against float64 NumPy,
+special values and its derivative (softmax)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +7,12 @@ import numpy as np
 import pytest
 
 from infir2_jax.train import loss
+
+
+@pytest.fixture(params=["one_pass", "two_pass", "auto"])
+def form(request, monkeypatch):
+  monkeypatch.setattr(loss, "LOGSUMEXP", request.param)
+  return request.param
 
 
 def _logits(rows=48, vocab=3001, seed=0):
@@ -18,17 +24,17 @@ def _logits(rows=48, vocab=3001, seed=0):
   return x
 
 
-def test_one_pass_is_float64_logsumexp_to_float32_rounding():
+def test_float64_logsumexp_to_float32_rounding(form):
   x = _logits()
   ref = np.log(np.sum(np.exp(x.astype(np.float64) - 100), axis=-1)) + 100
   got = np.asarray(jax.jit(loss.logsumexp)(jnp.asarray(x)), np.float64)
   assert np.all(np.abs(got - ref) <= 4 * np.spacing(np.abs(ref).astype(np.float32))), (
       np.abs(got - ref).max())
   two = np.asarray(jax.nn.logsumexp(jnp.asarray(x), axis=-1), np.float64)
-  assert np.abs(got - ref).max() <= 2 * np.abs(two - ref).max() + 1e-6
+  assert np.abs(got - ref).max() <= 2 * np.abs(two - ref).max() + 1e-6, form
 
 
-def test_special_rows_as_jax_nn_logsumexp():
+def test_special_rows_as_jax_nn_logsumexp(form):
   x = np.zeros((5, 8), np.float32)
   x[0] = -np.inf                    # all -inf: -inf, no NaN from -inf - -inf
   x[1, :4] = -np.inf                # some -inf: those add nothing
@@ -41,7 +47,7 @@ def test_special_rows_as_jax_nn_logsumexp():
   np.testing.assert_allclose(got[1], np.log(4.0), rtol=1e-6)
 
 
-def test_derivative_is_the_softmax():
+def test_derivative_is_the_softmax(form):
   x = jnp.asarray(_logits(rows=6, vocab=257))
   g = jax.grad(lambda z: jnp.sum(loss.logsumexp(z) * jnp.arange(1.0, 7.0)))(x)
   lse = loss.logsumexp(x)
@@ -52,11 +58,20 @@ def test_derivative_is_the_softmax():
   np.testing.assert_allclose(np.asarray(g), ref, rtol=1e-5, atol=1e-30)
 
 
-def test_switch(monkeypatch):
+def test_forms(monkeypatch):
+  """two_pass is jax.nn.logsumexp; auto is it on the CPU and one_pass in a CUDA lowering
+  (one variadic reduce: one read of the logits)."""
   x = jnp.asarray(_logits(rows=4, vocab=64))
   monkeypatch.setattr(loss, "LOGSUMEXP", "two_pass")
   np.testing.assert_array_equal(np.asarray(loss.logsumexp(x)),
                                 np.asarray(jax.nn.logsumexp(x, axis=-1)))
+  monkeypatch.setattr(loss, "LOGSUMEXP", "auto")
+  np.testing.assert_array_equal(np.asarray(jax.jit(loss.logsumexp)(x)),
+                                np.asarray(jax.nn.logsumexp(x, axis=-1)))
+  cuda = jax.jit(loss.logsumexp).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  cpu = jax.jit(loss.logsumexp).lower(x).as_text()
+  reduces = lambda text: text.count("stablehlo.reduce")
+  assert reduces(cuda) == 1 and reduces(cpu) == 2, (reduces(cuda), reduces(cpu))
   monkeypatch.setattr(loss, "LOGSUMEXP", "fast")
-  with pytest.raises(ValueError, match="INFIR2_LOGSUMEXP='fast'"):
+  with pytest.raises(ValueError, match="INFIR2_LOGSUMEXP='fast': one of"):
     loss.logsumexp(x)
