@@ -101,10 +101,10 @@ def split_label(label: str) -> tuple[str, list[str]]:
   ("infir2~--xla_gpu_async_copy_min_bytes=1000000000000") and environment variables
   ("infir2~INFIR2_KERNEL_QUANTIZE=full") are left out (see xla_flags_of, env_of)."""
   recipe, *overrides = label.split("~")
-  return recipe, [o for o in overrides if not o.startswith("--xla") and not _is_env(o)]
+  return recipe, [o for o in overrides if not o.startswith("--xla") and not labels.is_env_part(o)]
 
 
-_is_env, env_of = labels.is_env_part, labels.env_of   # "~INFIR2_NAME=value" parts
+env_of = labels.env_of   # a label's "~INFIR2_NAME=value" parts, its child's environment
 
 
 def _file_tag(label: str) -> str:
