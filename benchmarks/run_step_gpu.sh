@@ -54,6 +54,9 @@
 #        shared (1.5B at 2 x 8192: bf16 and infir2 with the float32 embedding-gradient sums
 #        (sorted) and the one-pass log-sum-exp, bf16 with the whole-table form session 28
 #        timed, infir2 with both old forms: the shared part's two fixes),
+#        sharedlean (session 29: the shared stage's four rows and the lean stage's FP8-moment row),
+#        7bcand (session 29: the <= 78 GiB 7B candidate alone, for an 80 GB H100, then its
+#        buffers from the autotuned compile),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
 # Needs the wheels of ../shared/device/wheels.sh in .whl/ (carry it).
 set -o pipefail
@@ -288,6 +291,27 @@ elif [[ $STAGE == 7bpeak ]]; then
     --recipes=$C~$NT --seq_lens=4096 "${COMMON[@]}" --override=steps=14 --steps=10 \
     --variant_timeout_s=230 --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 \
     | grep -vE "onstant.folding|slow_operation|^$" | tail -12
+elif [[ $STAGE == sharedlean ]]; then
+  # Session 29: the shared stage's rows (session 28's two fixes to the shared part, the sorted
+  # float32 embedding sums now the default) and the lean stage's FP8-moment row (issue 35 at
+  # 1.5B) in one run, the most needed rows first.
+  step_1p5b bf16,infir2,infir2~opt.moments=fp8,infir2~INFIR2_EMBED_GRAD=autodiff~INFIR2_LOGSUMEXP=two_pass,bf16~INFIR2_EMBED_GRAD=f32_table 40
+elif [[ $STAGE == 7bcand ]]; then
+  # Session 29 (issue 35): the <= 78 GiB candidate alone (configs/7b.py:lean's settings, the
+  # fused loss 1024 tokens at a time; deviceless 66.9 GiB), so it runs on an 80 GB H100: its
+  # time and the GPU allocator's own peak. Then its buffers from the autotuned compile.
+  U=model.scan_layers=False; M=opt.moments=fp8~model.loss_chunk=1024~model.loss_fused=True
+  timeout $((DEADLINE + 100)) python3 benchmarks/train_step.py --config=configs/7b.py \
+    --recipes=infir2~$U~$M \
+    --seq_lens=4096 "${COMMON[@]}" --override=steps=14 --steps=10 --variant_timeout_s=$DEADLINE \
+    --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 \
+    | grep -vE "onstant.folding|slow_operation|^$" | tail -14
+  LEFT=$((560 - SECONDS))
+  if (( LEFT > 90 )); then
+    timeout $LEFT python3 benchmarks/peak_buffers.py --attached --config=configs/7b.py \
+      --seq_len=4096 --batch_size=4 --variants=infir2~$U~$M \
+      --out="$OUT/peak_buffers_7b_attached.json" 2>&1 | grep -vE "^W0000|^I0000" | tail -16
+  fi
 elif [[ $STAGE == 7bfast ]]; then
   # Issues 33/35's 7B speed target (the fastest infir2 that fits <= 0.72x the fastest bf16
   # that fits), both without the recomputed forward, unrolled, FP8 moments (the fused step)
