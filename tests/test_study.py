@@ -45,9 +45,9 @@ with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
 """
 
 
-def stub(sleep_s):
+def stub(sleep_s, source=STUB):
   def command(spec, run, workdir, python):
-    return [python, "-c", STUB, os.path.join(workdir, run.name),
+    return [python, "-c", source, os.path.join(workdir, run.name),
             json.dumps(dict(run.overrides)), str(sleep_s)]
   return command
 
@@ -263,6 +263,33 @@ def test_readme_rebuilds_from_partial_and_full_grids(tmp_path):
   for name in ("loss_curves.png", "loss_diff.png", "telemetry_flush_frac.png", "report.md",
                "runs.csv"):
     assert os.path.exists(os.path.join(out, name)), name
+  assert "In plain words" not in text     # train and validation loss agree here
+
+
+def test_readme_says_when_train_and_validation_loss_disagree(tmp_path):
+  """FP8 3% worse on its training text but 0.1% better held out (the GPU study's pattern,
+  smaller): every verdict line carries the train loss's TOST, and a plain-words paragraph
+  says the recipe is lossless on held-out loss only, with the train/validation gap."""
+  res, work, out = str(tmp_path / "runs"), str(tmp_path / "work"), str(tmp_path / "report")
+  source = STUB.replace("* (1.001 if fp8 else 1.0) + 1.0 / s", "* (1.03 if fp8 else 1.0) + 1.0 / s")
+  source = source.replace("* (1.001 if fp8 else 1.0)}", "* (0.999 if fp8 else 1.0)}")
+  assert source.count("1.03") == 1 and source.count("0.999") == 1
+  for _ in range(2):   # the first slice runs one batch of runs to measure their time
+    study.run_study(_spec(), res, work, budget_s=1e4, parallel=3,
+                    command_fn=stub(0.0, source), log=lambda *_: None)
+  assert len(_finished(res)) == 6
+  text = open(study_report.build(res, out)).read()
+  rows = report.summarize(report.load_runs(res), "bf16", last_k=10)[()]
+  infir2, bf16 = (next(r for r in rows if r.recipe == n) for n in ("infir2", "bf16"))
+  rel_t = 100 * infir2.d_train.mean / bf16.train.mean
+  assert 2.5 < rel_t < 3.0                    # 3% of the loss without its 1/s transient
+  assert (f"Train loss {infir2.d_train.mean:+.4f} ({rel_t:+.2f}%)" in text
+          and "**not equivalent**" in text)
+  assert "validation loss" in text and "TOST at ±1%: **equivalent**" in text
+  plain = next(line for line in text.splitlines() if line.startswith("In plain words"))
+  assert f"worse by {rel_t:+.2f}% to {rel_t:+.2f}%" in plain
+  assert f"({bf16.train.mean:.3f}) sits far below its validation loss ({bf16.val.mean:.3f})" \
+      in plain
 
 
 @pytest.mark.slow
