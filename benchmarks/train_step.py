@@ -280,18 +280,26 @@ def main():
   if args.child:
     label, seq_len = args.child.rsplit(":", 1)
     from infir2_jax.parallel import distributed  # variants after the first reuse the init's compile
-    distributed.default_memory_fraction()  # as `python -m infir2_jax.train` does
+    # The child allocates as `python -m infir2_jax.train` does: 95% of the card, reserved up
+    # front in one region. It inherited the parent's PREALLOCATE=false before, and a
+    # growing allocator keeps the autotuner's and the init's regions apart: the likely
+    # reason session 29's 7B candidate (67.4 GiB by the autotuned compile's buffer
+    # assignment) failed on an 80 GB H100 to allocate its 25.2 GiB temporary (the next GPU
+    # window checks it).
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
+    distributed.default_memory_fraction()
     distributed.enable_compilation_cache()
     print("RESULT " + json.dumps(run_one(args, label, int(seq_len))), flush=True)
     return
   # before jax starts: the parent must not hold 75% of the GPU while the children run
-  os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # (and a child's peak is its own)
+  os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # (a child preallocates its own)
   import tempfile
   import jax
   from infir2_jax.bench import tools as benchtools
   results = {**benchtools.run_info(sys.argv), "python": platform.python_version(),
              "method": "one subprocess per variant, one at a time (compile, then train); "
-                       "XLA_PYTHON_CLIENT_PREALLOCATE=false",
+                       "the parent XLA_PYTHON_CLIENT_PREALLOCATE=false, each child "
+                       "preallocating 95% as the trainer does (since session 29)",
              "timing": f"median host wall time per step, timed {args.timing} (rows: "
                        "timing_method; the other way in <other>_median_step_s); the "
                        "profile's device_ms_total is a CUPTI kernel sum of one traced step",

@@ -102,6 +102,23 @@ def quantize_tiles_reference(x, *, fmt="e4m3", scale_format="ue8m0", with_transp
   return (q, s, *_tiles_along_last(x.T, fmt, scale_format))
 
 
+def rms_normed_reference(h, inv, gamma):
+  """The pre-norm block's normed operand, as model.layers.RMSNorm computes it from its row
+  statistics: y = gamma * bf16(f32(h) * inv), the product in bf16 (rounded once).
+
+  h [..., K] (the residual stream), inv [..., 1] float32 (1 / rms of each row:
+  rsqrt(mean(h**2) + eps)), gamma [K] (the norm's scale, cast to h's dtype first)."""
+  return gamma.astype(h.dtype) * (h.astype(jnp.float32) * inv).astype(h.dtype)
+
+
+def quantize_normed_tiles_reference(h, inv, gamma, *, fmt="e4m3", scale_format="ue8m0",
+                                    with_transpose=False):
+  """quantize_tiles_reference of rms_normed_reference(h, inv, gamma): what
+  quantize_normed_tiles computes without writing the normed operand."""
+  return quantize_tiles_reference(rms_normed_reference(h, inv, gamma), fmt=fmt,
+                                  scale_format=scale_format, with_transpose=with_transpose)
+
+
 def quantize_blocks_reference(w, *, fmt="e4m3", scale_format="ue8m0", with_transpose=False):
   """Pure-jnp 128x128 block quantization of a 2-D w: (q, s [Rb, Cb]) [, q of w^T]."""
   _check_formats(fmt, scale_format)
