@@ -1,6 +1,8 @@
 #!/bin/bash
 # Kernel GPU tests + GEMM and quantization benchmarks on one Hopper GPU; everything lands in $OUT.
-#   OUT=/tmp/out bash benchmarks/run_kernels_gpu.sh [all|tests|gemm|quantize|wgrad|fusedpipe|attn|attndiag|triton|saturate] [gemm deadline s] [models]
+#   OUT=/tmp/out bash benchmarks/run_kernels_gpu.sh [all|tests|gemm|quantize|wgrad|fusedpipe|attn|attndiag|triton|saturate|normed] [gemm deadline s] [models]
+# normed: session 29 (issue 33), the RMSNorm -> quantize kernel's GPU test and
+# benchmarks/normed_quantize.py (XLA's norm then the quantize kernel vs one normed kernel).
 # attndiag: issue 39, benchmarks/fp8_attention_diagnose.py (which scale, if any, lands wrong;
 # errors by row and block; the forward with and without the warpgroups' ping-pong vs cuDNN).
 # attn: issue 39 at 1.5B / 2 x 8192: the FP8 attention kernel's GPU test, then
@@ -73,6 +75,12 @@ if [[ $STAGE == saturate ]]; then  # session 27: the lean quantizers' GPU tests,
     -k "quantize" 2>&1 | tee "$OUT/gpu_tests.log" | tail -6
   timeout 240 python3 benchmarks/quantize_backends.py --out "$OUT/quantize_saturate.json" \
     --warps "" 2>&1 | grep -vE "^W0000|^I0000|^$" | tee "$OUT/quantize_saturate.log" | tail -8
+fi
+if [[ $STAGE == normed ]]; then  # session 29 (issue 33): RMSNorm -> quantize as one kernel
+  timeout 150 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider \
+    -k "quantize_normed or quantize_tiles" 2>&1 | tee "$OUT/gpu_tests.log" | tail -6
+  timeout 200 python3 benchmarks/normed_quantize.py --out "$OUT/normed_quantize.json" \
+    2>&1 | grep -vE "^W0000|^I0000|^$" | tee "$OUT/normed_quantize.log" | tail -8
 fi
 if [[ $STAGE == attndiag ]]; then  # issue 39: where the kernel departs from its reference on the GPU
   timeout 200 python3 benchmarks/fp8_attention_diagnose.py --stages exact_s,scales,errors,speed,mgpu \

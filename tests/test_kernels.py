@@ -11,6 +11,7 @@ import json
 import os
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -220,6 +221,65 @@ def test_quantize_tiles_interpret_bit_identical(m, k, fmt, scale_format, with_tr
   assert len(out) == len(ref) == (4 if with_transpose else 2)
   for o, r in zip(out, ref):
     assert o.dtype == r.dtype and _bit_equal(o, r)
+
+
+def _norm_inputs(m, k, seed=0):
+  """(h, inv, gamma) of an RMSNorm: h with rows over many magnitudes, a few wide channels,
+  zero and NaN entries; inv its rows' 1 / rms (a NaN row's is NaN, a zero row's large);
+  gamma over 0.05..3 with a negative and a zero entry."""
+  r = np.random.default_rng(seed)
+  h = r.standard_normal((m, k)).astype(np.float32) * np.exp(r.uniform(-8, 8, (m, 1)))
+  h[:, r.random(k) < 0.02] *= 40
+  h[0] = 0
+  h[m - 1, k - 1] = np.nan
+  h = jnp.asarray(h, jnp.bfloat16)
+  h32 = h.astype(jnp.float32)
+  inv = lax.rsqrt(jnp.mean(h32 * h32, axis=-1, keepdims=True) + 1e-6)
+  gamma = r.uniform(0.05, 3.0, k).astype(np.float32)
+  gamma[1], gamma[2] = -0.7, 0.0
+  return h, inv, jnp.asarray(gamma)
+
+
+@pytest.mark.parametrize("m,k,fmt,scale_format,with_transpose", [
+    (256, 384, "e4m3", "ue8m0", True),
+    (200, 312, "e5m2", "fp32", True),
+    (136, 264, "e4m3", "ue8m0", False),
+])
+def test_quantize_normed_tiles_interpret_bit_identical(m, k, fmt, scale_format,
+                                                       with_transpose):
+  """The normed kernel's tiles (and token-axis tiles) of gamma * bf16(h * inv) equal the
+  reference quantizer's of the normed operand written out in bf16, computed op by op (no
+  fusion that could keep excess precision); the norm changes the codes (the kernel does
+  not just quantize h)."""
+  h, inv, gamma = _norm_inputs(m, k)
+  kw = dict(fmt=fmt, scale_format=scale_format, with_transpose=with_transpose)
+  out = kernels.quantize_normed_tiles(h, inv, gamma, interpret=True, **kw)
+  y = gamma.astype(jnp.bfloat16) * (h.astype(jnp.float32) * inv).astype(jnp.bfloat16)
+  assert _bit_equal(y, quantize.rms_normed_reference(h, inv, gamma))
+  ref = kernels.quantize_tiles_reference(y, **kw)
+  assert len(out) == len(ref) == (4 if with_transpose else 2)
+  for o, r in zip(out, ref):
+    assert o.dtype == r.dtype and _bit_equal(o, r)
+  plain = kernels.quantize_tiles_reference(h, **kw)
+  assert not _bit_equal(out[0], plain[0]) and not _bit_equal(out[1], plain[1])
+  # leading dims as quantize_tiles takes them
+  if not with_transpose:
+    q3, s3 = kernels.quantize_normed_tiles(h.reshape(2, m // 2, k), inv.reshape(2, m // 2, 1),
+                                           gamma, interpret=True, **kw)
+    assert _bit_equal(q3.reshape(m, k), out[0]) and _bit_equal(s3.reshape(m, -1), out[1])
+
+
+def test_quantize_normed_tiles_rejects_bad_input():
+  h, inv, gamma = _norm_inputs(128, 256)
+  with pytest.raises(ValueError, match=r"inv.shape=\(128,\): needs \(128, 1\)"):
+    kernels.quantize_normed_tiles(h, inv[:, 0], gamma)
+  with pytest.raises(ValueError, match=r"gamma.shape=\(128,\): needs \(256,\)"):
+    kernels.quantize_normed_tiles(h, inv, gamma[:128])
+  with pytest.raises(ValueError, match="2-D"):
+    kernels.quantize_normed_tiles(h.reshape(2, 64, 256), inv.reshape(2, 64, 1), gamma,
+                                  with_transpose=True)
+  with pytest.raises(ValueError, match="bfloat16"):
+    kernels.quantize_normed_tiles(h.astype(jnp.float32), inv, gamma)
 
 
 @pytest.mark.parametrize("fmt,scale_format", [("e4m3", "ue8m0"), ("e4m3", "fp32")])
@@ -604,6 +664,19 @@ def test_quantize_lowers_for_hopper(fn, kw):
     padded = tuple(-(-d // 128) * 128 for d in shape)
     assert quantize.quantize_kernel_name(padded, fn is kernels.quantize_blocks,
                                          kw.get("with_transpose", False)) in text
+
+
+@pytest.mark.parametrize("with_transpose", [False, True])
+def test_quantize_normed_lowers_for_hopper(with_transpose):
+  for shape in ((16384, 1536), (1000, 1544)):
+    specs = (jax.ShapeDtypeStruct(shape, jnp.bfloat16),
+             jax.ShapeDtypeStruct((shape[0], 1), jnp.float32),
+             jax.ShapeDtypeStruct((shape[1],), jnp.float32))
+    f = lambda h, inv, g: kernels.quantize_normed_tiles(h, inv, g, with_transpose=with_transpose)
+    text = _lower_on_h100(f, *specs).as_text()
+    padded = tuple(-(-d // 128) * 128 for d in shape)
+    name = quantize.quantize_kernel_name(padded, False, with_transpose, normed=True)
+    assert "mosaic_gpu" in text and name in text and "normed_tiles" in name
 
 
 def _mosaic_calls_in_scanned_model_gradient(num_layers, monkeypatch):

@@ -152,6 +152,22 @@ def test_quantize_tiles_bit_identical_on_gpu(m, k, fmt, scale_format):
   assert cpu._bit_equal(out[0], pq_q) and cpu._bit_equal(out[1], pq_s)
 
 
+@pytest.mark.parametrize("m,k", [(256, 384), (1000, 1544), (4096, 1536)])
+@pytest.mark.parametrize("fmt,scale_format", [("e4m3", "ue8m0"), ("e5m2", "fp32")])
+def test_quantize_normed_tiles_bit_identical_on_gpu(m, k, fmt, scale_format):
+  """The normed kernel against what the step runs without it: XLA's RMSNorm written out in
+  bf16, then quantize_tiles (and its reference), on this GPU."""
+  h, inv, gamma = cpu._norm_inputs(m, k, seed=m)
+  kw = dict(fmt=fmt, scale_format=scale_format, with_transpose=True)
+  out = jax.jit(lambda h, i, g: kernels.quantize_normed_tiles(h, i, g, **kw))(h, inv, gamma)
+  y = jax.jit(lambda h, i, g: g.astype(jnp.bfloat16)
+              * (h.astype(jnp.float32) * i).astype(jnp.bfloat16))(h, inv, gamma)
+  separate = jax.jit(lambda y: kernels.quantize_tiles(y, **kw))(y)
+  ref = jax.jit(lambda y: kernels.quantize_tiles_reference(y, **kw))(y)
+  for o, a, r in zip(out, separate, ref):
+    assert cpu._bit_equal(o, a) and cpu._bit_equal(o, r)
+
+
 @pytest.mark.parametrize("r,c", [(1536, 8960), (200, 312)])
 @pytest.mark.parametrize("scale_format", ["ue8m0", "fp32"])
 def test_quantize_blocks_bit_identical_on_gpu(r, c, scale_format):

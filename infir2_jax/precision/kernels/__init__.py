@@ -9,6 +9,7 @@ on CPU, for tests):
                                    (KernelScales, built by kernel_scales()).
   quantize_tiles(...)              1x128 tiles [+ token-axis tiles for wgrad].
   quantize_blocks(...)             128x128 weight blocks [+ transposed q].
+  quantize_normed_tiles(...)       the tiles of an RMSNorm's output, from its input h.
   swiglu_quantize(...)             SwiGLU fused with the 1x128 tiles of its output.
   swiglu_bwd_quantize(...)         SwiGLU's backward fused with the tiles of dgate, dup.
 and pure-jnp references `*_reference` of each.
@@ -37,6 +38,8 @@ from infir2_jax.precision.kernels.fused_quantize import swiglu_quantize
 from infir2_jax.precision.kernels.fused_quantize import swiglu_quantize_reference
 from infir2_jax.precision.kernels.quantize import quantize_blocks
 from infir2_jax.precision.kernels.quantize import quantize_blocks_reference
+from infir2_jax.precision.kernels.quantize import quantize_normed_tiles
+from infir2_jax.precision.kernels.quantize import quantize_normed_tiles_reference
 from infir2_jax.precision.kernels.quantize import quantize_tiles
 from infir2_jax.precision.kernels.quantize import quantize_tiles_reference
 from infir2_jax.precision.kernels.tuning import BLOCK
@@ -49,6 +52,7 @@ __all__ = [
     "KernelScales", "kernel_scales", "matmul_kernel_scales",
     "quantize_tiles", "quantize_tiles_reference",
     "quantize_blocks", "quantize_blocks_reference",
+    "quantize_normed_tiles", "quantize_normed_tiles_reference",
     "swiglu_quantize", "swiglu_quantize_reference",
     "swiglu_bwd_quantize", "swiglu_bwd_quantize_reference",
 ]

@@ -222,21 +222,48 @@ def quantize_block_tiles(src_smem, q_smem, s_smem, *, transposed, fmt, scale_for
     s_smem[0, pl.ds(h * HALF, HALF)] = s
 
 
-def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose,
-                 body: RowQuantize):
+def normalize_block(x_smem, inv_smem, gamma_smem):
+  """x_smem [128, 128] bf16 <- gamma * bf16(x * inv) in place (rms_normed_reference), with
+  inv_smem [128] the block's rows' 1 / rms and gamma_smem [128] its columns' scales (both
+  float32; gamma holds bf16 values). The products are exact in float32 before each bf16
+  rounding as in XLA's, so the block holds the normed operand's bf16 bits; commit_smem
+  (a fence and a warpgroup barrier) makes them visible to the transposed loads after."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  gamma = plgpu.load(gamma_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+  for h in range(2):
+    x = load_half(x_smem, h, False)
+    inv = plgpu.load(inv_smem.at[pl.ds(h * HALF, HALF)], layout=plgpu.Layout.WGMMA.reduce(1))
+    u = (x * lax.broadcast_in_dim(inv, x.shape, (0,))).astype(x_smem.dtype)
+    y = u.astype(jnp.float32) * lax.broadcast_in_dim(gamma, x.shape, (1,))
+    x_smem[pl.ds(h * HALF, HALF)] = y.astype(x_smem.dtype)
+  plgpu.commit_smem()
+
+
+def _kernel_body(x_gmem, *refs, fmt, scale_format, blocks, with_transpose,
+                 body: RowQuantize, normed: bool = False):
   """One CTA quantizes one 128x128 block of x [M, K] (edge blocks via TMA OOB); body:
-  row_quantize(interpret)."""
+  row_quantize(interpret). normed: x is the residual stream h, and the next two inputs are
+  inv [M] and gamma [K] (float32): the block quantized is gamma * bf16(h * inv)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   mi, ki = lax.axis_index("m"), lax.axis_index("k")
   rows, cols = pl.ds(mi * TILE, TILE), pl.ds(ki * TILE, TILE)
   dtype = formats.get_format(fmt).dtype
-  q_gmem, s_gmem, *t_outs = outs
+  if normed:
+    inv_gmem, gamma_gmem, *refs = refs
+  q_gmem, s_gmem, *t_outs = refs
 
-  def scoped(x_smem, q_smem, qt_smem, s_smem, st_smem, bar):
+  def scoped(x_smem, q_smem, qt_smem, s_smem, st_smem, bar, *norm_smem):
     plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, bar)
+    if normed:
+      inv_smem, gamma_smem = norm_smem
+      plgpu.copy_gmem_to_smem(inv_gmem.at[rows], inv_smem, bar)
+      plgpu.copy_gmem_to_smem(gamma_gmem.at[cols], gamma_smem, bar)
     plgpu.barrier_wait(bar)
+    if normed:
+      normalize_block(x_smem, *norm_smem)
     if blocks:
       amax = jnp.maximum(row_amax(load_half(x_smem, 0, False)),
                          row_amax(load_half(x_smem, 1, False)))
@@ -275,7 +302,9 @@ def _kernel_body(x_gmem, *outs, fmt, scale_format, blocks, with_transpose,
                  transforms=smem_transforms(dtype)),
       plgpu.SMEM((1, TILE), jnp.float32),
       plgpu.SMEM((1, TILE), jnp.float32),
-      plgpu.Barrier(),
+      plgpu.Barrier(num_arrivals=3 if normed else 1),
+      *((plgpu.SMEM((TILE,), jnp.float32), plgpu.SMEM((TILE,), jnp.float32)) if normed
+        else ()),
   )
 
 
@@ -286,10 +315,11 @@ def _round_up(a: int, b: int) -> int:
 KERNEL_NAME = "infir2_quantize"
 
 
-def quantize_kernel_name(shape, blocks: bool, with_transpose: bool) -> str:
+def quantize_kernel_name(shape, blocks: bool, with_transpose: bool, normed: bool = False) -> str:
   """The kernel's name in profiles: layout and (padded) shape, e.g.
-  infir2_quantize_tiles_t_16384x1536 (1x128 tiles plus the token-axis tiles)."""
-  kind = "blocks" if blocks else "tiles"
+  infir2_quantize_tiles_t_16384x1536 (1x128 tiles plus the token-axis tiles),
+  infir2_quantize_normed_tiles_t_16384x1536 (the same of an RMSNorm's output)."""
+  kind = "blocks" if blocks else ("normed_tiles" if normed else "tiles")
   return f"{KERNEL_NAME}_{kind}{'_t' if with_transpose else ''}_{shape[0]}x{shape[1]}"
 
 
@@ -305,20 +335,22 @@ def row_quantize(interpret: bool) -> RowQuantize:
 
 @functools.lru_cache(maxsize=None)
 def _quantize_kernel(out_type, grid, fmt, scale_format, blocks, with_transpose, interpret,
-                     row: RowQuantize):
+                     row: RowQuantize, normed: bool = False):
   """The jitted kernel of one static signature, built once (lowered once per program)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
   body = functools.partial(_kernel_body, fmt=fmt, scale_format=scale_format,
-                           blocks=blocks, with_transpose=with_transpose, body=row)
+                           blocks=blocks, with_transpose=with_transpose, body=row,
+                           normed=normed)
   return jax.jit(plgpu.kernel(
       body, out_type=out_type, grid=grid, grid_names=("m", "k"),
-      kernel_name=quantize_kernel_name(out_type[0].shape, blocks, with_transpose),
+      kernel_name=quantize_kernel_name(out_type[0].shape, blocks, with_transpose, normed),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   ))
 
 
-def _quantize_2d(x, *, fmt, scale_format, blocks, with_transpose, interpret):
-  """Runs the kernel on a 2-D bf16 x; returns the contract's layouts."""
+def _quantize_2d(x, *, fmt, scale_format, blocks, with_transpose, interpret, norm=None):
+  """Runs the kernel on a 2-D bf16 x; returns the contract's layouts. norm: (inv [M],
+  gamma [K]) float32 for the normed kernel (x is then the residual stream)."""
   _check_formats(fmt, scale_format)
   if x.ndim != 2:
     raise ValueError(f"x.shape={x.shape}: the kernel takes a 2-D array")
@@ -326,9 +358,14 @@ def _quantize_2d(x, *, fmt, scale_format, blocks, with_transpose, interpret):
     raise ValueError(f"x.dtype={x.dtype}: the kernel takes bfloat16 (use the reference)")
   m, k = x.shape
   # Whole 128x128 blocks (swizzled TMA needs whole tiles in every array): the
-  # zero padding leaves every tile's amax unchanged and is sliced off.
+  # zero padding leaves every tile's amax unchanged and is sliced off (a padded row or
+  # column of the normed operand is 0 * 0 = 0).
   mp, kp = _round_up(m, TILE), _round_up(k, TILE)
   xp = jnp.pad(x, ((0, mp - m), (0, kp - k))) if (mp, kp) != (m, k) else x
+  inputs = [xp]
+  if norm is not None:
+    inv, gamma = norm
+    inputs += [jnp.pad(inv, (0, mp - m)), jnp.pad(gamma, (0, kp - k))]
   mb, kb = -(-mp // TILE), -(-kp // TILE)
   dtype = formats.get_format(fmt).dtype
   f32 = jnp.float32
@@ -337,7 +374,7 @@ def _quantize_2d(x, *, fmt, scale_format, blocks, with_transpose, interpret):
   if with_transpose:
     out_type += [jax.ShapeDtypeStruct((kp, mp), dtype), jax.ShapeDtypeStruct((mb, kp), f32)]
   outs = _quantize_kernel(tuple(out_type), (mb, kb), fmt, scale_format, blocks, with_transpose,
-                          interpret, row_quantize(interpret))(xp)
+                          interpret, row_quantize(interpret), norm is not None)(*inputs)
   q = outs[0][:m, :k]
   s = outs[1][:, ::4] if blocks else outs[1].T[:m]
   if blocks and with_transpose:
@@ -369,6 +406,40 @@ def quantize_tiles(x, *, fmt="e4m3", scale_format="ue8m0", with_transpose=False,
   lead, k = x.shape[:-1], x.shape[-1]
   outs = _quantize_2d(x.reshape(-1, k), fmt=fmt, scale_format=scale_format, blocks=False,
                       with_transpose=with_transpose, interpret=interpret)
+  q, s = outs[0].reshape(*lead, k), outs[1].reshape(*lead, outs[1].shape[-1])
+  return (q, s, *outs[2:])
+
+
+def quantize_normed_tiles(h, inv, gamma, *, fmt="e4m3", scale_format="ue8m0",
+                          with_transpose=False, interpret=False):
+  """quantize_tiles of an RMSNorm's output without writing it: the 1x128 tiles (and with
+  with_transpose the token-axis tiles) of y = gamma * bf16(h * inv), rms_normed_reference's
+  bits, from one read of h.
+
+  Args:
+    h: [..., K] bfloat16, the residual stream the norm reads (2-D [tokens, K] when
+      with_transpose).
+    inv: [..., 1] float32, each row's 1 / rms (rsqrt(mean(h**2) + eps), as the norm has it).
+    gamma: [K], the norm's scale (rounded to bfloat16 first, as the norm does).
+    fmt, scale_format, with_transpose, interpret: as quantize_tiles.
+
+  Returns:
+    quantize_tiles(rms_normed_reference(h, inv, gamma), ...)'s outputs, bit for bit.
+  """
+  _check_formats(fmt, scale_format)
+  if with_transpose and h.ndim != 2:
+    raise ValueError(f"h.shape={h.shape}: with_transpose needs a 2-D [tokens, K] array")
+  if h.ndim < 2:
+    raise ValueError(f"h.shape={h.shape}: needs at least 2 dims")
+  lead, k = h.shape[:-1], h.shape[-1]
+  if inv.shape != (*lead, 1):
+    raise ValueError(f"inv.shape={inv.shape}: needs {(*lead, 1)} (one 1 / rms per row of h)")
+  if gamma.shape != (k,):
+    raise ValueError(f"gamma.shape={gamma.shape}: needs ({k},) (one scale per column of h)")
+  norm = (inv.reshape(-1).astype(jnp.float32),
+          gamma.astype(h.dtype).astype(jnp.float32))
+  outs = _quantize_2d(h.reshape(-1, k), fmt=fmt, scale_format=scale_format, blocks=False,
+                      with_transpose=with_transpose, interpret=interpret, norm=norm)
   q, s = outs[0].reshape(*lead, k), outs[1].reshape(*lead, outs[1].shape[-1])
   return (q, s, *outs[2:])
 
