@@ -55,6 +55,7 @@
 #        (sorted) and the one-pass log-sum-exp, bf16 with the whole-table form session 28
 #        timed, infir2 with both old forms: the shared part's two fixes),
 #        sharedlean (session 29: the shared stage's four rows and the lean stage's FP8-moment row),
+#        normed (session 29: bf16, infir2, infir2 with precision.fused_norm),
 #        7bcand (session 29: the <= 78 GiB 7B candidate alone, for an 80 GB H100, then its
 #        buffers from the autotuned compile),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
@@ -312,6 +313,12 @@ elif [[ $STAGE == 7bcand ]]; then
       --seq_len=4096 --batch_size=4 --variants=infir2~$U~$M \
       --out="$OUT/peak_buffers_7b_attached.json" 2>&1 | grep -vE "^W0000|^I0000" | tail -16
   fi
+elif [[ $STAGE == normed ]]; then
+  # Session 29 (issue 33): precision.fused_norm, the RMSNorm's output quantized straight from
+  # the residual stream (kernels.quantize_normed_tiles: no bf16 normed tensor written and read
+  # again), against the default infir2 and bf16. Time the kernel alone first
+  # (run_kernels_gpu.sh normed).
+  step_1p5b bf16,infir2,infir2~precision.fused_norm=True 30
 elif [[ $STAGE == 7bfast ]]; then
   # Issues 33/35's 7B speed target (the fastest infir2 that fits <= 0.72x the fastest bf16
   # that fits), both without the recomputed forward, unrolled, FP8 moments (the fused step)
