@@ -17,6 +17,7 @@ from jax import lax
 from infir2_jax.model.axes import TOKEN_AXES, compute_axes
 from infir2_jax.precision import swiglu
 from infir2_jax.precision.cotangents import cotangent_is_buffer
+from infir2_jax.precision.normed import NormedInput, materialize
 from infir2_jax.precision.per_shard import MlpAxes, ProjectionAxes
 
 DotGeneral = Callable[..., jax.Array]
@@ -35,7 +36,8 @@ class DotGeneralFactory(Protocol):
   def __call__(self, path: str, axes: ProjectionAxes | None = None) -> DotGeneral: ...
 
   # Optional: `gated_mlp(path, axes: MlpAxes)` -> mlp(x, w_gate, w_up, w_down) or None, the
-  # whole SwiGLU MLP at `path` as one op (precision.fused_mlp); the MLP uses it when given.
+  # whole SwiGLU MLP at `path` as one op (precision.fused_mlp); the MLP uses it when given,
+  # and hands it its norm's NormedInput when mlp.accepts_normed (precision.fused_norm).
   # Optional: `fused_qkv(path, axes: QkvAxes)` -> qkv(x, wq, wk, wv) -> (q, k, v) or None,
   # the attention's three input projections as one product (precision.fused_qkv).
 
@@ -189,17 +191,28 @@ _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 class RMSNorm(nn.Module):
-  """Qwen2RMSNorm: normalise in float32, cast back, then scale."""
+  """Qwen2RMSNorm: normalise in float32, cast back, then scale.
+
+  deferred=True returns NormedInput(f32(x), inv, scale, dtype) instead (precision/
+  normed.py): the same y, not yet computed, for a consumer that quantizes it straight from x
+  (the fused MLP with precision.fused_norm); x must then be in the norm's dtype (the kernel
+  reads x itself)."""
   eps: float = 1e-6
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, deferred: bool = False) -> "jax.Array | NormedInput":
     scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                        (x.shape[-1],), self.param_dtype)
     x32 = x.astype(jnp.float32)  # statistics in f32 regardless of the activation dtype
-    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    inv = lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    if deferred:
+      if x.dtype != jnp.dtype(self.dtype):
+        raise ValueError(f"RMSNorm(deferred=True) takes x in its dtype {jnp.dtype(self.dtype)}, "
+                         f"got {x.dtype}")
+      return NormedInput(x32, inv, scale, jnp.dtype(self.dtype))
+    y = x32 * inv
     return scale.astype(self.dtype) * y.astype(self.dtype)
 
 
@@ -225,21 +238,37 @@ class MLP(nn.Module):
 
   When the factory offers a fused MLP for this path (block-scaled FP8 recipes), the three
   projections run as that one op; the params (gate_proj, up_proj, down_proj kernels) are the
-  same either way."""
+  same either way. x may be a pre-norm's NormedInput (RMSNorm(deferred=True)): the fused op
+  takes it as it is where it accepts_normed (takes_normed), anything else gets it
+  materialized, the norm's y bit for bit."""
   intermediate_size: int
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
   init_std: float = 0.02
   dot_general_factory: DotGeneralFactory = default_dot_general_factory
 
+  @nn.nowrap
+  def _fused_op(self, ndim: int):
+    """The factory's fused MLP for this path and an x of `ndim` dims, or None."""
+    if not hasattr(self.dot_general_factory, "gated_mlp") or ndim - 1 > len(TOKEN_AXES):
+      return None
+    hidden_axes = compute_axes(("embed", "mlp"))
+    axes = MlpAxes(x=(*TOKEN_AXES[:ndim - 1], hidden_axes[0]), hidden=hidden_axes)
+    return self.dot_general_factory.gated_mlp(module_path(self), axes)
+
+  def takes_normed(self, ndim: int) -> bool:
+    """Whether an x of `ndim` dims should come as its norm's NormedInput: the fused op runs
+    here and accepts one (precision.fused_norm)."""
+    return getattr(self._fused_op(ndim), "accepts_normed", False)
+
   @nn.compact
-  def __call__(self, x_BxLxD):
-    width, hidden = x_BxLxD.shape[-1], self.intermediate_size
-    fused = None
-    if hasattr(self.dot_general_factory, "gated_mlp") and x_BxLxD.ndim - 1 <= len(TOKEN_AXES):
-      hidden_axes = compute_axes(("embed", "mlp"))
-      axes = MlpAxes(x=(*TOKEN_AXES[:x_BxLxD.ndim - 1], hidden_axes[0]), hidden=hidden_axes)
-      fused = self.dot_general_factory.gated_mlp(module_path(self), axes)
+  def __call__(self, x_BxLxD: "jax.Array | NormedInput"):
+    normed = isinstance(x_BxLxD, NormedInput)
+    if normed and not self.takes_normed(x_BxLxD.h.ndim):
+      x_BxLxD, normed = materialize(x_BxLxD), False
+    rows_BxLxD = x_BxLxD.h if normed else x_BxLxD
+    width, hidden = rows_BxLxD.shape[-1], self.intermediate_size
+    fused = self._fused_op(rows_BxLxD.ndim)
     if fused is not None:
       kernel = lambda features, axes, name, fan_in: LinearParams(
           features, axes, False, self.dtype, self.param_dtype, self.init_std,
@@ -247,7 +276,7 @@ class MLP(nn.Module):
       w_gate = kernel(hidden, ("embed", "mlp"), "gate_proj", width)
       w_up = kernel(hidden, ("embed", "mlp"), "up_proj", width)
       w_down = kernel(width, ("mlp", "embed"), "down_proj", hidden)
-      return fused(x_BxLxD.astype(self.dtype), w_gate, w_up, w_down)
+      return fused(x_BxLxD if normed else x_BxLxD.astype(self.dtype), w_gate, w_up, w_down)
 
     def dense(features, axes, name):
       return Linear(features, axes, dtype=self.dtype, param_dtype=self.param_dtype,

@@ -29,7 +29,10 @@ class DecoderLayer(nn.Module):
                        decode)
     mlp = MLP(cfg.intermediate_size, dtype, param_dtype, cfg.init_std,
               self.dot_general_factory, name="mlp")
-    out = h + mlp(norm("post_attention_layernorm")(h))
+    # precision.fused_norm: the MLP quantizes the norm's output straight from h (its
+    # NormedInput), so the normed h is never written (precision/normed.py).
+    normed_h = norm("post_attention_layernorm")(h, deferred=mlp.takes_normed(h.ndim))
+    out = h + mlp(normed_h)
     return nn.with_logical_constraint(out, ("batch", "length", "act_embed"))
 
 

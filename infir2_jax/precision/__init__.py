@@ -3,7 +3,8 @@
 The data flow, by file: recipes.py (what each GEMM of a projection quantizes) -> config.py
 (which recipe runs where) -> factory.py (the model's hook: a dot_general per projection) ->
 dot_general.py (fprop / dgrad / wgrad as one custom_vjp; per_shard.py runs it per device;
-fused_mlp.py the SwiGLU MLP as one op, quantization fused into SwiGLU and its backward) ->
+fused_mlp.py the SwiGLU MLP as one op, quantization fused into SwiGLU and its backward;
+normed.py its input's RMSNorm fused into that quantization) ->
 gemm.py (the NT GEMM on quantized operands: Pallas, native FP8 or dequantize) ->
 kernels/ (Mosaic GPU kernels for Hopper). The FP8 contract itself: formats.py, quantize.py.
 Inspection: telemetry.py (amax / flush / SNR of every operand), introspect.py (what ran).

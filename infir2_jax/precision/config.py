@@ -52,6 +52,12 @@ class PrecisionConfig:
       recipe allows (precision.fused_qkv, FP8 or bf16: one GEMM each way on the
       concatenated weights; q, k, v and the weight gradients bit for bit as three
       projections, dx summed in one float32 accumulator); False runs three dot_generals.
+    fused_norm: hand each fused MLP (fused_mlp above) its post-attention RMSNorm's input,
+      row statistics and scale instead of the normed x (precision/normed.py), so that x's
+      FP8 tiles come from one read of the residual stream (kernels.quantize_normed_tiles on
+      Hopper) and the normed bf16 x is never written nor read back (~2 x 50 MB per layer
+      at 1.5B/16k tokens). The same loss and gradients bit for bit
+      (tests/test_fused_norm.py). Off: opt-in until measured on the GPU.
     fused_mlp_backward: in the fused MLP on Hopper, SwiGLU's backward and the quantization
       of dgate and dup as one kernel (kernels.swiglu_bwd_quantize) instead of XLA's SwiGLU
       backward and one quantize kernel: the same quantization of the values made, which
@@ -77,6 +83,7 @@ class PrecisionConfig:
   quantize_lm_head: bool = False
   fused_mlp: bool = True
   fused_qkv: bool = True
+  fused_norm: bool = False
   fused_mlp_backward: bool = True
   quantize_backend: str = "mosaic"
   fp8_attention_kernel: bool = False

@@ -27,7 +27,8 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
     SwiGLU and its backward, gate and up as one GEMM) where its three projections share a
     recipe that fused_mlp.supports, without telemetry, unless cfg.fused_mlp is False; None
     elsewhere (the model then
-    composes the three projections' dot_generals).
+    composes the three projections' dot_generals). Its `accepts_normed` is cfg.fused_norm:
+    the model then hands it the post-attention norm's NormedInput (precision/normed.py).
   - fused_qkv: factory.fused_qkv(path, axes=None) -> the q, k and v projections of the
     attention module at `path` as one product (precision.fused_qkv: one GEMM each way;
     FP8 or bf16) where they share a recipe that fused_qkv.supports, without telemetry,
@@ -71,7 +72,8 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
     if key not in cache:
       mlp = fused_mlp.make_gated_mlp(recipe, backend=cfg.backend,
                                      fused_backward=cfg.fused_mlp_backward,
-                                     quantize_backend=cfg.quantize_backend)
+                                     quantize_backend=cfg.quantize_backend,
+                                     fused_norm=cfg.fused_norm)
       cache[key] = mlp if axes is None else per_shard_mlp(mlp, axes)
     return cache[key]
 

@@ -19,8 +19,17 @@ three-projection composition: every quantized operand is identical (F is a multi
 128, so no tile or block straddles gate and up); dx sums the gate and up halves in one f32
 accumulator instead of adding two bf16 products.
 
+x may also be a NormedInput (precision/normed.py, precision.fused_norm): the pre-norm
+block's RMSNorm not yet applied. x's tiles then come from h, inv and gamma in one read of h
+(quantize_normed_rows; the normed x is never written), and the backward returns x's
+cotangent through the norm's product (normed_vjp): the same numbers as materializing x first.
+
 Remat names (model/remat.py): gu is FP8_GEMM_OUT (saved by "save_dots", as gate's and up's
-outputs were), x^T, h^T and the weights' dgrad layouts are FP8_RESIDUALS.
+outputs were), x^T, h^T and the weights' dgrad layouts are FP8_RESIDUALS. A NormedInput's
+h, inv and gamma are residuals without a name: every policy recomputes them from what the
+layer keeps anyway (h = x + o_proj's saved output, inv one row reduction of h, gamma a
+param), as it recomputes RMSNorm's own residuals on the unfused path; naming them would
+keep a second copy of the residual stream per layer under "save_dots_fp8".
 
 Shape legend: M tokens, D width, F MLP width.
 """
@@ -38,6 +47,8 @@ from infir2_jax.precision.dot_general import (
     FP8_GEMM_OUT, FP8_RESIDUALS, GemmPlan, check_quantize_backend, make_dot_general,
     quantize_rows, quantize_weight_both, quantizer_kernels)
 from infir2_jax.precision.kernels import fused_quantize
+from infir2_jax.precision.normed import (
+    NormedInput, as_residual, from_residual, materialize, normed_vjp, quantize_normed_rows)
 from infir2_jax.precision.quantize import QTensor, resolve_tile
 from infir2_jax.precision.recipes import Recipe, get_recipe
 
@@ -137,11 +148,21 @@ def _matmul(plan: _MlpPlan, which: int, a, b, out_dtype, **kw):
                         fast_accum=plan.fast_accum[which], **kw)
 
 
+def _quantize_x(gp: GemmPlan, x, spec, spec_t):
+  """quantize_rows of x: an array [M, D], or a NormedInput (h [..., D], inv [..., 1]) whose
+  tiles come from h as [M, D] rows, no normed x written."""
+  if isinstance(x, NormedInput):
+    d = x.h.shape[-1]
+    rows = dataclasses.replace(x, h=x.h.reshape(-1, d), inv=x.inv.reshape(-1, 1))
+    return quantize_normed_rows(gp, rows, spec, spec_t)
+  return quantize_rows(gp, x, spec, spec_t)
+
+
 def _forward(plan: _MlpPlan, x_MxD, wg_DxF, wu_DxF, wd_FxD):
   gp, r = plan.gemm, plan.gemm.recipe
   dtype = gp.compute_dtype
   with jax.named_scope("fp8_fprop"):
-    xq, xt_DxM = quantize_rows(gp, x_MxD, r.fprop.lhs, r.wgrad.lhs)
+    xq, xt_DxM = _quantize_x(gp, x_MxD, r.fprop.lhs, r.wgrad.lhs)
     wgu_2FxD, wgu_Dx2F = quantize_weight_both(gp, jnp.concatenate([wg_DxF, wu_DxF], axis=1),
                                               r.fprop.rhs, r.dgrad.rhs)
     gu_Mx2F = _matmul(plan, 0, xq, wgu_2FxD, dtype, isolate_kernel_output=True)
@@ -154,19 +175,28 @@ def _forward(plan: _MlpPlan, x_MxD, wg_DxF, wu_DxF, wd_FxD):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_mlp(plan: _MlpPlan, x_MxD, wg_DxF, wu_DxF, wd_FxD):
+  """y [M, D]; x_MxD an array [M, D] or a NormedInput (h [..., D], _fused_operand)."""
   return _forward(plan, x_MxD, wg_DxF, wu_DxF, wd_FxD)[0]
 
 
 def _fused_mlp_fwd(plan: _MlpPlan, x_MxD, wg_DxF, wu_DxF, wd_FxD):
   y_MxD, (xt, gu, ht, wgu, wd) = _forward(plan, x_MxD, wg_DxF, wu_DxF, wd_FxD)
   xt, ht, wgu, wd = checkpoint_name((xt, ht, wgu, wd), FP8_RESIDUALS)
-  return y_MxD, (xt, gu, ht, wgu, wd)
+  # unnamed (see the docstring); h kept in the compute dtype
+  norm = as_residual(x_MxD) if isinstance(x_MxD, NormedInput) else None
+  return y_MxD, (xt, gu, ht, wgu, wd, norm)
 
 
-@cotangents.cotangent_is_buffer   # dx, dWd and [dWg | dWu]: GEMM outputs rounded once
+# dx, dWd and [dWg | dWu] are GEMM outputs rounded once. For a NormedInput x, dh, dinv and
+# dgamma are not (normed_vjp: elementwise, and a sum over tokens for dgamma), yet the mark
+# stays true where train/grads.py reads it: only for a param whose single use is a cast to
+# a narrower float feeding this op. h and inv are activations, and gamma enters in float32
+# (make_gated_mlp casts it up), so no param's gradient is ever taken as exact in bf16 here:
+# the norm scale keeps its float32 gradient, as RMSNorm's elementwise use gives it.
+@cotangents.cotangent_is_buffer
 def _fused_mlp_bwd(plan: _MlpPlan, res, dy_MxD):
   gp, r = plan.gemm, plan.gemm.recipe
-  xt_DxM, gu_Mx2F, ht_FxM, wgu_Dx2F, wd_FxD = res
+  xt_DxM, gu_Mx2F, ht_FxM, wgu_Dx2F, wd_FxD, norm = res
   f = ht_FxM.shape[0]
   dx_dtype = np.dtype(r.dgrad.out_dtype or gp.x_dtype)
   dw_dtype = np.dtype(r.wgrad.out_dtype or gp.w_dtype)
@@ -184,8 +214,11 @@ def _fused_mlp_bwd(plan: _MlpPlan, res, dy_MxD):
     dx_MxD = _matmul(plan, 1, dguq, wgu_Dx2F, dx_dtype)
   with jax.named_scope("fp8_wgrad"):
     dwgu_Dx2F = _matmul(plan, 2, xt_DxM, dgut_2FxM, dw_dtype)
-  return (dx_MxD.astype(gp.x_dtype), dwgu_Dx2F[:, :f].astype(gp.w_dtype),
-          dwgu_Dx2F[:, f:].astype(gp.w_dtype), dwd_FxD.astype(gp.w_dtype))
+  dx_MxD = dx_MxD.astype(gp.x_dtype)
+  return (dx_MxD if norm is None else normed_vjp(from_residual(norm),
+                                                 dx_MxD.reshape(norm.h.shape)),
+          dwgu_Dx2F[:, :f].astype(gp.w_dtype), dwgu_Dx2F[:, f:].astype(gp.w_dtype),
+          dwd_FxD.astype(gp.w_dtype))
 
 
 _fused_mlp.defvjp(_fused_mlp_fwd, _fused_mlp_bwd)
@@ -202,14 +235,28 @@ def _composed(recipe: Recipe, backend: str, quantize_backend: str = "mosaic"):
   return mlp
 
 
+def _fused_operand(x, d: int):
+  """_fused_mlp's x: an array as [M, D] rows; a NormedInput as it is, gamma in float32 (see
+  _fused_mlp_bwd's mark). Its h keeps its leading dims into the custom_vjp, so that
+  normed_vjp sums dgamma over the same axes as autodiff through RMSNorm does (a bf16 sum:
+  over [B, L] and over [B * L] its bits differed on CPU)."""
+  if isinstance(x, NormedInput):
+    return dataclasses.replace(x, gamma=x.gamma.astype(jnp.float32))
+  return x.reshape(-1, d)
+
+
 def make_gated_mlp(recipe: "Recipe | str", *, backend: str = "auto",
-                   fused_backward: bool = False, quantize_backend: str = "mosaic"):
+                   fused_backward: bool = False, quantize_backend: str = "mosaic",
+                   fused_norm: bool = False):
   """mlp(x [..., D], w_gate [D, F], w_up [D, F], w_down [F, D]) -> y [..., D] of `recipe`
   (one that `supports`), all in the compute dtype; F not a multiple of 128 runs the
-  composition of three products instead. fused_backward: SwiGLU's backward and dgu's
-  quantization as one kernel on Hopper (precision.fused_mlp_backward). quantize_backend:
-  "mosaic" or "triton", the kernels of its 1x128 tile quantizers, SwiGLU's included
-  (precision.quantize_backend)."""
+  composition of three products instead. x may be a NormedInput with h [..., D] (the
+  pre-norm block's RMSNorm, applied inside: precision/normed.py). fused_backward: SwiGLU's
+  backward and dgu's quantization as one kernel on Hopper (precision.fused_mlp_backward).
+  quantize_backend: "mosaic" or "triton", the kernels of its 1x128 tile quantizers,
+  SwiGLU's included (precision.quantize_backend). fused_norm (precision.fused_norm) sets
+  mlp.accepts_normed, which tells the model to hand the MLP its norm's NormedInput rather
+  than the normed x."""
   check_quantize_backend(quantize_backend)
   recipe = get_recipe(recipe)
   if not supports(recipe):
@@ -220,14 +267,19 @@ def make_gated_mlp(recipe: "Recipe | str", *, backend: str = "auto",
   composed = _composed(recipe, backend, quantize_backend)
 
   def mlp(x, wg_DxF, wu_DxF, wd_FxD):
-    (d, f), lead = wg_DxF.shape, x.shape[:-1]
-    if f % TILE or wu_DxF.shape != (d, f) or wd_FxD.shape != (f, d) or x.shape[-1] != d:
+    rows = x.h if isinstance(x, NormedInput) else x
+    x_dtype = np.dtype(x.dtype)   # a NormedInput's: the compute dtype its y rounds to
+    (d, f), lead = wg_DxF.shape, rows.shape[:-1]
+    if f % TILE or wu_DxF.shape != (d, f) or wd_FxD.shape != (f, d) or rows.shape[-1] != d:
+      x = materialize(x) if isinstance(x, NormedInput) else x
       return composed(x, wg_DxF, wu_DxF, wd_FxD)
-    dtype = np.dtype(jnp.result_type(x.dtype, wg_DxF.dtype))
-    plan = _MlpPlan(GemmPlan(recipe, backend, dtype, np.dtype(x.dtype), np.dtype(wg_DxF.dtype),
-                             dtype, False, False, quantize_backend=quantize_backend),
+    dtype = np.dtype(jnp.result_type(x_dtype, wg_DxF.dtype))
+    plan = _MlpPlan(GemmPlan(recipe, backend, dtype, x_dtype,
+                             np.dtype(wg_DxF.dtype), dtype, False, False,
+                             quantize_backend=quantize_backend),
                     fast_accum, fused_backward)
-    return _fused_mlp(plan, x.reshape(-1, d), wg_DxF, wu_DxF, wd_FxD).reshape(*lead, d)
+    return _fused_mlp(plan, _fused_operand(x, d), wg_DxF, wu_DxF, wd_FxD).reshape(*lead, d)
 
   mlp.recipe = recipe
+  mlp.accepts_normed = fused_norm
   return mlp

@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 from jax.sharding import PartitionSpec as P
 
+from infir2_jax.precision.normed import NormedInput
 from infir2_jax.precision.recipes import Recipe
 
 MAX_LOCAL_TILE = 128
@@ -119,33 +120,44 @@ class MlpAxes:
   hidden: tuple[str | None, str | None]
 
 
+def _rows_spec(x, rows_spec):
+  """in_specs entry of the MLP's x: rows_spec, or for a NormedInput rows_spec for h and inv
+  (each row's 1 / rms lives with its row) and gamma whole (D is never split here)."""
+  if isinstance(x, NormedInput):
+    return NormedInput(rows_spec, rows_spec, P(None), x.dtype)
+  return rows_spec
+
+
 def per_shard_mlp(mlp, axes: MlpAxes):
   """`mlp` (x, w_gate, w_up, w_down) run inside shard_map on each device's shard: tokens
   split like the batch, F like its compute axis (Megatron: gate/up column-parallel, down
-  row-parallel, its partial outputs summed over the tensor axis). One global call when there
-  is no mesh of several devices, x is not laid out as `axes` says, D is split, or a split
-  does not divide evenly."""
+  row-parallel, its partial outputs summed over the tensor axis). x may be a NormedInput
+  (precision/normed.py): h and inv split like x's tokens, gamma whole on every device. One
+  global call when there is no mesh of several devices, x is not laid out as `axes` says,
+  D is split, or a split does not divide evenly."""
   def call(x, wg, wu, wd):
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or x.ndim != len(axes.x):
+    rows = x.h if isinstance(x, NormedInput) else x
+    if mesh.empty or mesh.size == 1 or rows.ndim != len(axes.x):
       return mlp(x, wg, wu, wd)
     *lead, d_axes = _mesh_axes(axes.x)
     dk_axes, f_axes = _mesh_axes(axes.hidden)
     if d_axes is not None or dk_axes is not None:
       return mlp(x, wg, wu, wd)
     x_spec, w_spec, wd_spec = P(*lead, None), P(None, f_axes), P(f_axes, None)
-    dims = [*zip(x.shape, x_spec), *zip(wg.shape, w_spec), *zip(wd.shape, wd_spec)]
+    dims = [*zip(rows.shape, x_spec), *zip(wg.shape, w_spec), *zip(wd.shape, wd_spec)]
     if any(size % _ways(mesh, entry) for size, entry in dims):
       return mlp(x, wg, wu, wd)
-    shard = lambda f, out_spec: jax.shard_map(f, mesh=mesh, in_specs=(x_spec, w_spec, w_spec,
-                                                                      wd_spec),
-                                              out_specs=out_spec, check_vma=False)
+    shard = lambda f, out_spec: jax.shard_map(
+        f, mesh=mesh, in_specs=(_rows_spec(x, x_spec), w_spec, w_spec, wd_spec),
+        out_specs=out_spec, check_vma=False)
     if f_axes is None:
       return shard(mlp, x_spec)(x, wg, wu, wd)
     partials = shard(lambda *a: mlp(*a)[None], P(f_axes, *lead, None))(x, wg, wu, wd)
     return partials.sum(0, dtype=partials.dtype)
 
   call.recipe = getattr(mlp, "recipe", None)
+  call.accepts_normed = getattr(mlp, "accepts_normed", False)
   return call
 
 
