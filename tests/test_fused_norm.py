@@ -1,6 +1,7 @@
-"""The post-attention RMSNorm fused into the fused FP8 MLP (precision/normed.py,
-precision.fused_norm): the MLP takes NormedInput(f32(h), inv, gamma, dtype) instead of the
-normed x.
+"""The pre-norm blocks' RMSNorms fused into their FP8 consumers (precision/normed.py,
+precision.fused_norm): the fused MLP takes the post-attention norm's NormedInput(f32(h),
+inv, gamma, dtype) instead of the normed x, the fused q|k|v product (its FP8 dot_general)
+the input_layernorm's.
 
 Bit-for-bit comparisons compile with xla_allow_excess_precision off (EXACT): with it on,
 XLA:CPU drops the bf16 rounding of a y = gamma * bf16(h * inv) that it fuses into the XLA
@@ -23,12 +24,13 @@ from jax import lax
 from infir2_jax.model import ModelConfig, Qwen2
 from infir2_jax.config import load_config
 from infir2_jax.precision import (
-    MlpAxes, PrecisionConfig, gemm, get_recipe, kernels, make_dot_general_factory,
-    make_gated_mlp, normed)
-from infir2_jax.precision.dot_general import GemmPlan, quantize_rows
+    MlpAxes, PrecisionConfig, dot_general, gemm, get_recipe, kernels,
+    make_dot_general_factory, make_gated_mlp)
+from infir2_jax.precision.fused_qkv import make_fused_qkv
+from infir2_jax.precision.per_shard import QkvAxes
+from infir2_jax.precision.dot_general import GemmPlan, quantize_normed_rows, quantize_rows
 from infir2_jax.precision.kernels.quantize import quantize_normed_tiles_reference
-from infir2_jax.precision.normed import (
-    NormedInput, materialize, normed_vjp, quantize_normed_rows)
+from infir2_jax.precision.normed import NormedInput, materialize, normed_vjp
 from infir2_jax.train import grads
 
 D, F, EPS = 256, 512, 1e-6
@@ -213,11 +215,86 @@ def test_the_kernel_is_used_only_where_it_applies(monkeypatch):
   plan = lambda quantize_backend: GemmPlan(r, "auto", bf16, bf16, bf16, bf16, False, False,
                                            quantize_backend=quantize_backend)
   n = _normed(h, gamma)
-  assert normed._normed_kernel(plan("mosaic"), n, r.fprop.lhs, r.wgrad.lhs) is not None
-  assert normed._normed_kernel(plan("triton"), n, r.fprop.lhs, r.wgrad.lhs) is None
-  assert normed._normed_kernel(plan("mosaic"), n, r.fprop.lhs, None) is None
+  assert dot_general._normed_kernel(plan("mosaic"), n, r.fprop.lhs, r.wgrad.lhs) is not None
+  assert dot_general._normed_kernel(plan("triton"), n, r.fprop.lhs, r.wgrad.lhs) is None
+  assert dot_general._normed_kernel(plan("mosaic"), n, r.fprop.lhs, None) is None
   n32 = NormedInput(n.h, n.inv, n.gamma, np.dtype(jnp.float32))   # a float32 model
-  assert normed._normed_kernel(plan("mosaic"), n32, r.fprop.lhs, r.wgrad.lhs) is None
+  assert dot_general._normed_kernel(plan("mosaic"), n32, r.fprop.lhs, r.wgrad.lhs) is None
+
+
+# --- the fused q|k|v product on a NormedInput ------------------------------------------------
+
+def _qkv_operands(widths=(256, 128, 128), seed=6):
+  """(h, gamma, wq, wk, wv) and a cotangent per output."""
+  r = np.random.default_rng(seed)
+  (h, gamma, *_), _ = _operands(seed)
+  ws = tuple(jnp.asarray(r.standard_normal((D, n)) * 0.06, jnp.bfloat16) for n in widths)
+  cts = tuple(jnp.asarray(r.standard_normal((*LEAD, n)), jnp.float32) for n in widths)
+  return (h, gamma, *ws), cts
+
+
+def _qkv_losses(qkv, cts):
+  """loss(normed, h, gamma, wq, wk, wv): the product on the NormedInput of h, or on its
+  materialized y, against one cotangent per output."""
+  def loss(normed, h, gamma, *w):
+    n = _normed(h, gamma)
+    outs = qkv(n if normed else materialize(n), *w)
+    return sum(jnp.sum(y.astype(jnp.float32) * ct) for y, ct in zip(outs, cts))
+  return loss
+
+
+@pytest.mark.parametrize("recipe,widths", [
+    ("infir2", (256, 128, 128)), ("infir2_fp32_scale", (256, 128, 128)),
+    ("infir2", (256, 200, 200)), ("bf16", (256, 128, 128))])
+def test_fused_qkv_on_a_normed_input_is_the_composition(recipe, widths):
+  """q, k, v and the gradients of h (through inv too), gamma and the three weights bit for
+  bit as jax.grad of materialize -> the product: the one FP8 dot_general on the NormedInput,
+  and where it is not that (widths not whole tiles: three products; bf16) on y materialized
+  inside."""
+  args, cts = _qkv_operands(widths)
+  qkv = make_fused_qkv(recipe, backend="xla", fused_norm=True)
+  assert qkv.accepts_normed is (recipe != "bf16")
+  loss = _qkv_losses(qkv, cts)
+  (value_n, grads_n), (value_m, grads_m) = (_value_and_grads(loss, normed, args)
+                                            for normed in (True, False))
+  _bits_equal(value_n, value_m)
+  _bits_equal(grads_n, grads_m)
+  assert grads_n[1].dtype == jnp.float32 and grads_n[0].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("normed_kernel", ["reference", "absent"])
+def test_on_hopper_the_qkv_tiles_come_from_one_kernel(monkeypatch, normed_kernel):
+  """With the kernels (stand-ins), the q|k|v forward quantizes x once, from h: one
+  quantize_normed_tiles call and no quantize_tiles of a materialized x (the unfused forward
+  has the one); the same output and gradients as the materialized x."""
+  args, cts = _qkv_operands(seed=7)
+  calls = collections.Counter()
+  stand_in = _stand_in_kernels(calls, NORMED_KERNELS[normed_kernel])
+  monkeypatch.setattr(gemm, "pallas_kernels", lambda backend: stand_in)
+  loss = _qkv_losses(make_fused_qkv("infir2", backend="auto", fused_norm=True), cts)
+  forward = lambda normed: jax.jit(lambda *a: loss(normed, *a), compiler_options=EXACT)(*args)
+  _bits_equal(forward(True), forward(False))
+  assert calls["gemm"] == 2   # one product per forward traced
+  with_normed = NORMED_KERNELS[normed_kernel] is not None
+  assert (calls["quantize_normed_tiles"], calls["quantize_tiles"]) == (
+      (1, 1) if with_normed else (0, 2))
+  _bits_equal(*(_value_and_grads(loss, normed, args) for normed in (True, False)))
+
+
+def test_the_fp8_dot_general_takes_a_normed_lhs_only_as_dense():
+  """A NormedInput lhs contracted on another axis than its last is refused; with telemetry
+  it is materialized first (the same product and statistics as on y)."""
+  (h, gamma, wq, *_), _ = _qkv_operands()
+  n = _normed(h, gamma)
+  over_length = wq[:LEAD[1]]   # [L, N]: contracts h's length axis
+  with pytest.raises(NotImplementedError, match="last axis only"):
+    dot_general.quantized_dot_general(n, over_length, (((1,), (0,)), ((), ())),
+                                      recipe=get_recipe("infir2"), backend="xla")
+  dims = (((2,), (0,)), ((), ()))
+  run = jax.jit(lambda x, w: dot_general.quantized_dot_general(
+      x, w, dims, recipe=get_recipe("infir2"), backend="xla", telemetry=True),
+      compiler_options=EXACT)
+  _bits_equal(run(n, wq), run(materialize(n), wq))
 
 
 # --- the factory and the model ---------------------------------------------------------------
@@ -231,6 +308,14 @@ def test_the_factory_hands_the_flag_to_the_fused_mlp():
   assert made(fused_norm=True).gated_mlp(path).accepts_normed is True
   assert made(fused_norm=True).gated_mlp(path, axes).accepts_normed is True   # per shard
   assert made(fused_norm=True, fused_mlp=False).gated_mlp(path) is None
+  qkv_path, qkv_axes = "layers_3/self_attn", QkvAxes(x=("batch", "length", "act_embed"),
+                                                     q=("act_embed", "act_heads"),
+                                                     kv=("act_embed", "act_kv_heads"))
+  assert made().fused_qkv(qkv_path).accepts_normed is False
+  assert made(fused_norm=True).fused_qkv(qkv_path).accepts_normed is True
+  assert made(fused_norm=True).fused_qkv(qkv_path, qkv_axes).accepts_normed is True
+  bf16 = make_dot_general_factory(PrecisionConfig(recipe="bf16", fused_norm=True))
+  assert bf16.fused_qkv(qkv_path).accepts_normed is False   # nothing to fuse it into
   assert load_config(overrides={"precision.fused_norm": True}).precision.fused_norm is True
 
 
@@ -248,20 +333,45 @@ def _loss(model, tokens):
   return lambda p: jnp.mean(model.apply({"params": p}, tokens).astype(jnp.float32) ** 2)
 
 
+def _fake_kernels():
+  """tests/test_remat_fp8.py's kernels as opaque primitives, quantize_normed_tiles too."""
+  from test_remat_fp8 import _FAKE_KERNELS, _opaque
+  return types.SimpleNamespace(**vars(_FAKE_KERNELS), quantize_normed_tiles=_opaque(
+      quantize_normed_tiles_reference, "fake_quantize_normed_tiles"))
+
+
+def _normed_tiles_in_forward(monkeypatch, cfg) -> int:
+  """quantize_normed_tiles calls in the jaxpr of the model's loss with the fused norm."""
+  from test_remat_fp8 import _count_primitives
+  fake = _fake_kernels()
+  with monkeypatch.context() as patch:
+    patch.setattr(gemm, "pallas_kernels", lambda backend: fake)
+    model = _model(cfg, fused_norm=True, backend="pallas")
+    tokens = jnp.zeros((2, 128), jnp.int32)
+    init = _model(dataclasses.replace(cfg, scan_layers=False), fused_norm=True,
+                  backend="pallas").init
+    params = jax.eval_shape(lambda: nn.unbox(init(jax.random.key(0), tokens))["params"])
+    jaxpr = jax.make_jaxpr(_loss(model, tokens))(params).jaxpr
+  return _count_primitives(jaxpr, collections.Counter())["fake_quantize_normed_tiles"]
+
+
 def _relative_error(tree, ref) -> float:
   flat = lambda t: np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(t)])
   return float(np.linalg.norm(flat(tree) - flat(ref)) / np.linalg.norm(flat(ref)))
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_model_with_the_fused_norm_is_the_model_without(scan_layers):
-  """Same params (names, shapes, partitioning), the same loss and every gradient bit for
-  bit: the norm's product differentiated inside the MLP's custom_vjp hands dh back in
-  float32, so it adds to the row statistics' part before the one rounding to bf16, as
-  RMSNorm's autodiff does (a bf16 h had rounded it alone first: 1.3% of the gradients'
-  norm, amplified by FP8 upstream). The gradients' dtypes for the optimizer
-  (train/grads.py) agree."""
+def test_model_with_the_fused_norm_is_the_model_without(monkeypatch, scan_layers):
+  """Both norms of every layer deferred (one quantize_normed_tiles each in the forward,
+  kernels as opaque stand-ins), and still the same params (names, shapes, partitioning),
+  loss and every gradient bit for bit: the norm's product differentiated inside the MLP's
+  and the q|k|v product's custom_vjp hands dh back in float32, so it adds to the row
+  statistics' part before the one rounding to bf16, as RMSNorm's autodiff does (a bf16 h
+  had rounded it alone first: 1.3% of the gradients' norm, amplified by FP8 upstream). The
+  gradients' dtypes for the optimizer (train/grads.py) agree."""
   cfg = dataclasses.replace(CFG, scan_layers=scan_layers)
+  normed_tiles = _normed_tiles_in_forward(monkeypatch, cfg)
+  assert normed_tiles == 2 * (1 if scan_layers else cfg.num_layers)   # one layer body
   tokens = jax.random.randint(jax.random.key(1), (2, 128), 0, cfg.vocab_size)
   init_cfg = dataclasses.replace(cfg, scan_layers=False)
   boxed = {flag: _model(init_cfg, fused_norm=flag).init(jax.random.key(0), tokens)
@@ -288,10 +398,10 @@ def test_model_with_the_fused_norm_is_the_model_without(scan_layers):
 def test_remat_treats_the_normed_tiles_as_the_tiles_of_x(monkeypatch, remat):
   """Kernels as opaque primitives (tests/test_remat_fp8.py): under each policy the model
   with the fused norm runs the same FP8 GEMMs as without, and quantize_normed_tiles where
-  it quantized x (no extra re-quantization, and under save_dots_fp8 none at all)."""
-  from test_remat_fp8 import _FAKE_KERNELS, _count_primitives, _opaque
-  fake = types.SimpleNamespace(**vars(_FAKE_KERNELS), quantize_normed_tiles=_opaque(
-      quantize_normed_tiles_reference, "fake_quantize_normed_tiles"))
+  it quantized x, for both norms of each layer (no extra re-quantization, and under
+  save_dots_fp8 none at all)."""
+  from test_remat_fp8 import _count_primitives
+  fake = _fake_kernels()
   monkeypatch.setattr(gemm, "pallas_kernels", lambda backend: fake)
   cfg = dataclasses.replace(CFG, remat=remat)
   tokens = jnp.zeros((2, 128), jnp.int32)
@@ -303,14 +413,15 @@ def test_remat_treats_the_normed_tiles_as_the_tiles_of_x(monkeypatch, remat):
   on, off = counts(True), counts(False)
   assert on["fake_fp8_gemm"] == off["fake_fp8_gemm"]
   normed_tiles = on["fake_quantize_normed_tiles"]
-  assert normed_tiles == cfg.num_layers * (2 if remat == "save_dots" else 1), on
+  assert normed_tiles == 2 * cfg.num_layers * (2 if remat == "save_dots" else 1), on
   assert on["fake_quantize_tiles"] + normed_tiles == off["fake_quantize_tiles"], (on, off)
 
 
 def test_fused_norm_per_shard_equals_one_device():
-  """fsdp 2 x tensor 2 on 4 CPU devices: the NormedInput enters the MLP's shard_map (h and
-  inv split like the tokens, gamma whole) and gives one device's loss and gradients
-  (float32 compute, tolerances as tests/test_fused_mlp.py's per-shard test)."""
+  """fsdp 2 x tensor 2 on 4 CPU devices: the NormedInputs enter the MLP's and the q|k|v
+  product's shard_maps (h and inv split like the tokens, gamma whole) and give one device's
+  loss and gradients (float32 compute, tolerances as tests/test_fused_mlp.py's per-shard
+  test)."""
   from infir2_jax import parallel
   cfg = dataclasses.replace(CFG, dtype="float32", num_layers=1)
   tokens = jax.random.randint(jax.random.key(2), (4, 128), 0, cfg.vocab_size)
@@ -323,8 +434,10 @@ def test_fused_norm_per_shard_equals_one_device():
   with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.logical_rules(mesh_cfg, cfg, mesh)):
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params)
     got_loss, got_grads = jax.jit(jax.value_and_grad(loss))(params)
-  mlp_inputs = [[v.aval.shape for v in e.params["jaxpr"].invars] for e in jaxpr.jaxpr.eqns
-                if e.primitive.name == "shard_map" and len(e.invars) == 6]
-  assert [(2, 128, D), (2, 128, 1), (D,), (D, F // 2), (D, F // 2), (F // 2, D)] in mlp_inputs
+  inputs = [[v.aval.shape for v in e.params["jaxpr"].invars] for e in jaxpr.jaxpr.eqns
+            if e.primitive.name == "shard_map" and len(e.invars) == 6]
+  normed = [(2, 128, D), (2, 128, 1), (D,)]
+  assert normed + [(D, F // 2), (D, F // 2), (F // 2, D)] in inputs   # the MLP
+  assert normed + [(D, 128)] * 3 in inputs   # q|k|v: each device's one head of each
   np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
   assert _relative_error(got_grads, want_grads) < 3e-2

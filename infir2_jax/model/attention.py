@@ -28,6 +28,7 @@ from infir2_jax.model.layers import (
     DotGeneralFactory, Linear, LinearParams, apply_rope, default_dot_general_factory,
     module_path, rope_cos_sin)
 from infir2_jax.precision.gemm import target_platform
+from infir2_jax.precision.normed import NormedInput, materialize
 from infir2_jax.precision.per_shard import QkvAxes
 
 CACHE = "cache"
@@ -114,7 +115,11 @@ def bf16_train_attention(cfg: ModelConfig, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh,
 
 
 class Attention(nn.Module):
-  """Grouped-query self-attention with q/k/v biases; softmax in float32."""
+  """Grouped-query self-attention with q/k/v biases; softmax in float32.
+
+  x may be a pre-norm's NormedInput (RMSNorm(deferred=True)): the factory's fused q/k/v
+  product takes it as it is where it accepts_normed (takes_normed), anything else gets it
+  materialized, the norm's y bit for bit. x is read by nothing but the q/k/v projections."""
   config: ModelConfig
   dot_general_factory: DotGeneralFactory = default_dot_general_factory
 
@@ -124,10 +129,28 @@ class Attention(nn.Module):
                   param_dtype=jnp.dtype(cfg.param_dtype), init_std=cfg.init_std,
                   dot_general_factory=self.dot_general_factory, name=name)
 
+  @nn.nowrap
+  def _fused_op(self, ndim: int):
+    """The factory's fused q/k/v product for this path and an x of `ndim` dims, or None."""
+    if not hasattr(self.dot_general_factory, "fused_qkv") or ndim - 1 > len(TOKEN_AXES):
+      return None
+    q_axes, kv_axes = compute_axes(("embed", "heads")), compute_axes(("embed", "kv_heads"))
+    axes = QkvAxes(x=(*TOKEN_AXES[:ndim - 1], q_axes[0]), q=q_axes, kv=kv_axes)
+    return self.dot_general_factory.fused_qkv(module_path(self), axes)
+
+  def takes_normed(self, ndim: int) -> bool:
+    """Whether an x of `ndim` dims should come as its norm's NormedInput: the fused q/k/v
+    product runs here and accepts one (precision.fused_norm)."""
+    return getattr(self._fused_op(ndim), "accepts_normed", False)
+
   @nn.compact
-  def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL, decode: bool = False):
+  def __call__(self, x_BxLxD: "jax.Array | NormedInput", positions_BxL, segment_ids_BxL,
+               decode: bool = False):
     cfg = self.config
-    batch, length, width = x_BxLxD.shape
+    if isinstance(x_BxLxD, NormedInput) and not self.takes_normed(x_BxLxD.h.ndim):
+      x_BxLxD = materialize(x_BxLxD)
+    rows_BxLxD = x_BxLxD.h if isinstance(x_BxLxD, NormedInput) else x_BxLxD
+    batch, length, width = rows_BxLxD.shape
     heads, kv_heads, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
     q, k, v = self._qkv(x_BxLxD)
     q_BxLxHxDh = q.reshape(batch, length, heads, dh)
@@ -148,27 +171,27 @@ class Attention(nn.Module):
     out_BxLxHDh = out_BxLxHxDh.reshape(batch, length, heads * dh)
     return self._dense(width, ("heads", "embed"), False, "o_proj")(out_BxLxHDh)
 
-  def _qkv(self, x_BxLxD):
+  def _qkv(self, x_BxLxD: "jax.Array | NormedInput"):
     """(q [B, L, H Dh], k, v [B, L, K Dh]): as the factory's fused q/k/v product where it
-    offers one (precision.fused_qkv; the same params), else three projections."""
+    offers one (precision.fused_qkv; the same params), else three projections. x is a
+    NormedInput only where that product takes one (__call__ materialized it otherwise)."""
     cfg = self.config
     heads, kv_heads, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
     specs = (("q_proj", heads * dh, ("embed", "heads")),
              ("k_proj", kv_heads * dh, ("embed", "kv_heads")),
              ("v_proj", kv_heads * dh, ("embed", "kv_heads")))
-    fused = None
-    if hasattr(self.dot_general_factory, "fused_qkv") and x_BxLxD.ndim - 1 <= len(TOKEN_AXES):
-      q_axes, kv_axes = compute_axes(("embed", "heads")), compute_axes(("embed", "kv_heads"))
-      axes = QkvAxes(x=(*TOKEN_AXES[:x_BxLxD.ndim - 1], q_axes[0]), q=q_axes, kv=kv_axes)
-      fused = self.dot_general_factory.fused_qkv(module_path(self), axes)
+    normed = isinstance(x_BxLxD, NormedInput)
+    rows_BxLxD = x_BxLxD.h if normed else x_BxLxD
+    fused = self._fused_op(rows_BxLxD.ndim)
     if fused is None:
       return tuple(self._dense(n, axes, cfg.qkv_bias, name)(x_BxLxD)
                    for name, n, axes in specs)
     dtype = jnp.dtype(cfg.dtype)
     params = [LinearParams(n, axes, cfg.qkv_bias, dtype, jnp.dtype(cfg.param_dtype),
-                           cfg.init_std, name=name)(x_BxLxD.shape[-1])
+                           cfg.init_std, name=name)(rows_BxLxD.shape[-1])
               for name, n, axes in specs]
-    outs = fused(x_BxLxD.astype(dtype), *(kernel for kernel, _ in params))
+    outs = fused(x_BxLxD if normed else x_BxLxD.astype(dtype),
+                 *(kernel for kernel, _ in params))
     return tuple(y if bias is None else y + bias.astype(y.dtype)
                  for y, (_, bias) in zip(outs, params))
 

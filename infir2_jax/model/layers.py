@@ -39,7 +39,8 @@ class DotGeneralFactory(Protocol):
   # whole SwiGLU MLP at `path` as one op (precision.fused_mlp); the MLP uses it when given,
   # and hands it its norm's NormedInput when mlp.accepts_normed (precision.fused_norm).
   # Optional: `fused_qkv(path, axes: QkvAxes)` -> qkv(x, wq, wk, wv) -> (q, k, v) or None,
-  # the attention's three input projections as one product (precision.fused_qkv).
+  # the attention's three input projections as one product (precision.fused_qkv); the
+  # attention hands it its norm's NormedInput when qkv.accepts_normed (precision.fused_norm).
 
 
 def default_dot_general_factory(path: str, axes: ProjectionAxes | None = None) -> DotGeneral:
@@ -195,8 +196,8 @@ class RMSNorm(nn.Module):
 
   deferred=True returns NormedInput(f32(x), inv, scale, dtype) instead (precision/
   normed.py): the same y, not yet computed, for a consumer that quantizes it straight from x
-  (the fused MLP with precision.fused_norm); x must then be in the norm's dtype (the kernel
-  reads x itself)."""
+  (the fused MLP or q/k/v product with precision.fused_norm); x must then be in the norm's
+  dtype (the kernel reads x itself)."""
   eps: float = 1e-6
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32

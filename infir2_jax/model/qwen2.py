@@ -24,13 +24,14 @@ class DecoderLayer(nn.Module):
     cfg = self.config
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name=name)
+    # precision.fused_norm: the fused q/k/v product and the fused MLP quantize their norm's
+    # output straight from the residual stream (its NormedInput), so the normed x and h are
+    # never written (precision/normed.py).
     attn = Attention(cfg, self.dot_general_factory, name="self_attn")
-    h = x_BxLxD + attn(norm("input_layernorm")(x_BxLxD), positions_BxL, segment_ids_BxL,
-                       decode)
+    normed_x = norm("input_layernorm")(x_BxLxD, deferred=attn.takes_normed(x_BxLxD.ndim))
+    h = x_BxLxD + attn(normed_x, positions_BxL, segment_ids_BxL, decode)
     mlp = MLP(cfg.intermediate_size, dtype, param_dtype, cfg.init_std,
               self.dot_general_factory, name="mlp")
-    # precision.fused_norm: the MLP quantizes the norm's output straight from h (its
-    # NormedInput), so the normed h is never written (precision/normed.py).
     normed_h = norm("post_attention_layernorm")(h, deferred=mlp.takes_normed(h.ndim))
     out = h + mlp(normed_h)
     return nn.with_logical_constraint(out, ("batch", "length", "act_embed"))

@@ -53,10 +53,11 @@ class PrecisionConfig:
       concatenated weights; q, k, v and the weight gradients bit for bit as three
       projections, dx summed in one float32 accumulator); False runs three dot_generals.
     fused_norm: hand each fused MLP (fused_mlp above) its post-attention RMSNorm's input,
-      row statistics and scale instead of the normed x (precision/normed.py), so that x's
+      row statistics and scale instead of the normed x (precision/normed.py), and each
+      fused FP8 q/k/v product (fused_qkv above) its input_layernorm's, so that both norms'
       FP8 tiles come from one read of the residual stream (kernels.quantize_normed_tiles on
-      Hopper) and the normed bf16 x is never written nor read back (~2 x 50 MB per layer
-      at 1.5B/16k tokens). The same loss and gradients bit for bit
+      Hopper) and the normed bf16 x is never written nor read back (~2 x 50 MB per norm per
+      layer at 1.5B/16k tokens). The same loss and gradients bit for bit
       (tests/test_fused_norm.py). Off: opt-in until measured on the GPU.
     fused_mlp_backward: in the fused MLP on Hopper, SwiGLU's backward and the quantization
       of dgate and dup as one kernel (kernels.swiglu_bwd_quantize) instead of XLA's SwiGLU

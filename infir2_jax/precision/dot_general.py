@@ -18,6 +18,14 @@ bf16 X) and W in its dgrad tiling; when the backward tiling equals the forward o
 recipe keeps in bf16 is saved as is. So under infir2 the layer saves fp8 X^T + fp8 W^T.
 Under remat, the model's policy decides by the names FP8_GEMM_OUT and FP8_RESIDUALS.
 The `precision` argument is ignored on quantized paths (the recipe decides).
+
+The lhs of a Dense contraction (its last axis, no batch dims) may be a NormedInput
+(normed.py, precision.fused_norm: the fused q|k|v product's input_layernorm not yet
+applied): X's tiles then come from the residual stream h in one read (quantize_normed_rows;
+the normed X is never written), the residuals keep h, inv and gamma (unnamed, as the fused
+MLP's), and the backward returns their cotangents through the norm's product (normed_vjp):
+the numbers of materializing X first. With telemetry X is materialized first (its
+statistics compare X with its tiles).
 """
 
 import dataclasses
@@ -27,10 +35,13 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from infir2_jax.precision import cotangents, gemm, quant_error
 from infir2_jax.precision.gemm import bf16_dot_general
+from infir2_jax.precision.normed import (
+    NormedInput, as_residual, from_residual, materialize, normed_vjp, stream)
 from infir2_jax.precision.quantize import QTensor, quantize_tensor, resolve_tile
 from infir2_jax.precision.recipes import OperandSpec, Recipe, get_recipe
 
@@ -128,6 +139,61 @@ def quantize_rows(plan: GemmPlan, x_MxK, spec: OperandSpec, spec_t: "OperandSpec
                      spec.scale_format)
 
 
+def _normed_kernel(plan: GemmPlan, n: NormedInput, spec: OperandSpec,
+                   spec_t: "OperandSpec | None"):
+  """kernels.quantize_normed_tiles where it applies to n and both specs, else None: on
+  Hopper (quantizer_kernels), with the Mosaic GPU quantizers (it has no Triton twin) and a
+  kernels module that has it (looked up at call time, as gemm.pallas_kernels does)."""
+  if spec_t is None or not (spec.quantized and spec_t.quantized):
+    return None
+  if plan.quantize_backend != "mosaic":
+    return None
+  kernels = quantizer_kernels(plan, stream(n), spec, spec_t, tile=(1, 128))
+  return None if kernels is None else getattr(kernels, "quantize_normed_tiles", None)
+
+
+def quantize_normed_rows(plan: GemmPlan, n: NormedInput, spec: OperandSpec,
+                         spec_t: "OperandSpec | None"):
+  """quantize_rows(plan, materialize(n), spec, spec_t) for n of a 2-D h [M, K] (a pre-norm
+  block's operand, normed.py): on Hopper both tile sets from one read of h, y never
+  written; elsewhere y made, then quantize_rows.
+
+  The fallback's y passes an optimization barrier: fused into XLA's quantizer, y's rounding
+  to bf16 is dropped (xla_allow_excess_precision folds convert(convert(y32, bf16), f32)),
+  and the tiles would be those of the float32 product, not of y as the kernel quantizes it
+  (on CPU 3.5% of the FP8 values differed; the unfused model's XLA path can fold RMSNorm's
+  y into its quantizer the same way)."""
+  quantize_normed_tiles = _normed_kernel(plan, n, spec, spec_t)
+  if quantize_normed_tiles is None:
+    return quantize_rows(plan, lax.optimization_barrier(materialize(n)), spec, spec_t)
+  q, s, qt, st = quantize_normed_tiles(stream(n), n.inv, n.gamma, fmt=spec.fmt,
+                                       scale_format=spec.scale_format, with_transpose=True)
+  return (QTensor(q, s, resolve_tile(spec.tile, q.shape), spec.scale_format),
+          QTensor(qt, st, resolve_tile(spec_t.tile, qt.shape), spec_t.scale_format))
+
+
+def quantize_x(plan: GemmPlan, x, spec: OperandSpec, spec_t: "OperandSpec | None"):
+  """quantize_rows of an activation x: an array [M, K], or a NormedInput (h [..., K],
+  inv [..., 1]) whose tiles come from h as [M, K] rows, no normed x written."""
+  if isinstance(x, NormedInput):
+    k = x.h.shape[-1]
+    rows = dataclasses.replace(x, h=x.h.reshape(-1, k), inv=x.inv.reshape(-1, 1))
+    return quantize_normed_rows(plan, rows, spec, spec_t)
+  return quantize_rows(plan, x, spec, spec_t)
+
+
+def normed_operand(x: NormedInput) -> NormedInput:
+  """A NormedInput as a custom_vjp's operand: gamma in float32, h with its leading dims.
+
+  Leading dims kept: normed_vjp then sums dgamma over the same axes as autodiff through
+  RMSNorm does (a bf16 sum: over [B, L] and over [B * L] its bits differed on CPU). gamma
+  in float32: the op's backward is marked cotangent_is_buffer, which train/grads.py reads
+  only for a param whose single use is a cast to a narrower float feeding the op; dgamma is
+  an elementwise product's sum, no GEMM output, so gamma must never be such a param (a
+  float32 param stays as it is; a narrower one enters by a widening cast)."""
+  return dataclasses.replace(x, gamma=x.gamma.astype(jnp.float32))
+
+
 def _quantize_weight(plan: GemmPlan, w_NxK, spec: OperandSpec):
   """W^T per spec; 128x128 blocks by kernels.quantize_blocks on Hopper."""
   kernels = quantizer_kernels(plan, w_NxK, spec, tile=(128, 128))
@@ -176,7 +242,7 @@ def _w_NxK(plan: GemmPlan, w):
 def _fprop(plan: GemmPlan, x_MxK, w, xt_spec=None, dgrad_spec=None):
   spec = plan.recipe.fprop
   with jax.named_scope("fp8_fprop"):
-    xq, xt = quantize_rows(plan, x_MxK, spec.lhs, xt_spec)
+    xq, xt = quantize_x(plan, x_MxK, spec.lhs, xt_spec)
     wq, w_KxN = _weight_operands(plan, w, dgrad_spec)
     y_MxN = gemm.matmul_nt(xq, wq, out_dtype=_dtype(spec.out_dtype, plan.out_dtype),
                            backend=plan.backend, fast_accum=spec.fast_accum,
@@ -192,8 +258,12 @@ def _fprop(plan: GemmPlan, x_MxK, w, xt_spec=None, dgrad_spec=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fp8_matmul(plan: GemmPlan, x_MxK, w, sink):
+  """y [M, N]; x_MxK an array [M, K] or a NormedInput (h [..., K], normed_operand)."""
   del sink
-  y_MxN, _, _, _, fstats = _fprop(plan, x_MxK, w)
+  # A NormedInput's tiles come from its one kernel only together with X^T's: asked for and
+  # dropped, rather than the normed X written out for the quantizer.
+  xt_spec = plan.recipe.wgrad.lhs if isinstance(x_MxK, NormedInput) else None
+  y_MxN, _, _, _, fstats = _fprop(plan, x_MxK, w, xt_spec=xt_spec)
   return (y_MxN, fstats) if plan.telemetry else y_MxN
 
 
@@ -210,13 +280,15 @@ def _fp8_matmul_fwd(plan: GemmPlan, x_MxK, w, sink):
                           quant_error.operand_stats(x_MxK.T, xt_KxM)])
   out = (y_MxN, fstats) if plan.telemetry else y_MxN
   xt_KxM, w_KxN = checkpoint_name((xt_KxM, w_KxN), FP8_RESIDUALS)
-  return out, (xt_KxM, w_KxN, bstats)
+  # unnamed, as the fused MLP's (fused_mlp.py says why); h kept in the compute dtype
+  norm = as_residual(x_MxK) if isinstance(x_MxK, NormedInput) else None
+  return out, (xt_KxM, w_KxN, bstats, norm)
 
 
 @cotangents.cotangent_is_buffer   # dx and dW: GEMM outputs, each rounded once to its dtype
 def _fp8_matmul_bwd(plan: GemmPlan, res, g):
   r = plan.recipe
-  xt_KxM, w_KxN, bstats = res
+  xt_KxM, w_KxN, bstats, norm = res
   dy_MxN = g[0] if plan.telemetry else g
   with jax.named_scope("fp8_dgrad"):
     dyq, dyt_NxM = quantize_rows(plan, dy_MxN, r.dgrad.lhs, r.wgrad.rhs)
@@ -232,44 +304,63 @@ def _fp8_matmul_bwd(plan: GemmPlan, res, g):
       dgrad = jnp.stack([quant_error.operand_stats(dy_MxN, dyq), bstats[0]])
       wgrad = jnp.stack([bstats[1], quant_error.operand_stats(dy_MxN.T, dyt_NxM)])
       sink_ct = jnp.stack([dgrad, wgrad])
-  return dx_MxK.astype(plan.x_dtype), dw.astype(plan.w_dtype), sink_ct
+  dx_MxK = dx_MxK.astype(plan.x_dtype)
+  if norm is not None:   # dh, dinv and dgamma: not GEMM outputs (normed_operand says why)
+    dx_MxK = normed_vjp(from_residual(norm), dx_MxK.reshape(norm.h.shape))
+  return dx_MxK, dw.astype(plan.w_dtype), sink_ct
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
-def canonicalize(lhs: jax.Array, rhs: jax.Array, dimension_numbers):
+def _lhs_rows(lhs, lc, lf, m: int, k: int):
+  """x_MxK of lhs: its free dims then its contracted ones as [M, K]; a NormedInput (only
+  contracted on its last axis) as it is, h [..., K] (normed_operand)."""
+  if isinstance(lhs, NormedInput):
+    if lc != (len(lf),):
+      raise NotImplementedError(f"a NormedInput lhs of shape {lhs.h.shape} is contracted on "
+                                f"its last axis only (Dense), got contracting dims {lc}")
+    return normed_operand(lhs)
+  x = lhs if lf + lc == tuple(range(lhs.ndim)) else jnp.transpose(lhs, lf + lc)
+  return x.reshape(m, k)
+
+
+def canonicalize(lhs: "jax.Array | NormedInput", rhs: jax.Array, dimension_numbers):
   """(x_MxK, w, out_shape, stored_kxn) for dimension numbers without batch dims: w is
   [K, N] (stored_kxn) when rhs is contracted on its leading axes, as stored, else w_NxK. No
   op touches rhs but the one that makes w (a use the gradient analysis, train/grads.py,
-  follows to the GEMM)."""
+  follows to the GEMM). A NormedInput lhs stays one (_lhs_rows)."""
   (lc, rc), (lb, rb) = dimension_numbers
   if tuple(lb) or tuple(rb):
     raise NotImplementedError(
         f"FP8 dot_general supports no batch dimensions, got lhs {tuple(lb)} rhs {tuple(rb)}; "
         "batched GEMMs (attention) stay in bf16 by design")
-  lc = tuple(d % lhs.ndim for d in lc)
+  shape = lhs.h.shape if isinstance(lhs, NormedInput) else lhs.shape
+  lc = tuple(d % len(shape) for d in lc)
   rc = tuple(d % rhs.ndim for d in rc)
-  if len(lc) != len(rc) or any(lhs.shape[i] != rhs.shape[j] for i, j in zip(lc, rc)):
-    raise ValueError(f"contracting dims {lc} of lhs {lhs.shape} and {rc} of rhs {rhs.shape} "
+  if len(lc) != len(rc) or any(shape[i] != rhs.shape[j] for i, j in zip(lc, rc)):
+    raise ValueError(f"contracting dims {lc} of lhs {shape} and {rc} of rhs {rhs.shape} "
                      "do not match")
-  lf = tuple(d for d in range(lhs.ndim) if d not in lc)
+  lf = tuple(d for d in range(len(shape)) if d not in lc)
   rf = tuple(d for d in range(rhs.ndim) if d not in rc)
-  k = math.prod(lhs.shape[d] for d in lc)
-  m = math.prod(lhs.shape[d] for d in lf)
+  k = math.prod(shape[d] for d in lc)
+  m = math.prod(shape[d] for d in lf)
   n = math.prod(rhs.shape[d] for d in rf)
-  x = lhs if lf + lc == tuple(range(lhs.ndim)) else jnp.transpose(lhs, lf + lc)
-  out_shape = tuple(lhs.shape[d] for d in lf) + tuple(rhs.shape[d] for d in rf)
+  x = _lhs_rows(lhs, lc, lf, m, k)
+  out_shape = tuple(shape[d] for d in lf) + tuple(rhs.shape[d] for d in rf)
   if rc + rf == tuple(range(rhs.ndim)):   # stored [K..., N...] (Flax Dense): kept as [K, N]
-    return x.reshape(m, k), rhs.reshape(k, n), out_shape, True
+    return x, rhs.reshape(k, n), out_shape, True
   w = rhs if rf + rc == tuple(range(rhs.ndim)) else jnp.transpose(rhs, rf + rc)
-  return x.reshape(m, k), w.reshape(n, k), out_shape, False
+  return x, w.reshape(n, k), out_shape, False
 
 
 def quantized_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None, *,
                           recipe: Recipe, backend: str = "auto", telemetry: bool = False,
                           sink=None, quantize_backend: str = "mosaic"):
-  """The FP8 dot_general of `recipe`; with telemetry returns (y, fprop_stats [2, 3])."""
+  """The FP8 dot_general of `recipe`; with telemetry returns (y, fprop_stats [2, 3]). lhs
+  may be a NormedInput (the module docstring)."""
+  if telemetry and isinstance(lhs, NormedInput):
+    lhs = materialize(lhs)   # the statistics compare x with its tiles: x must exist
   # A kernel contracted on its leading axes (Flax Dense [K, N], DenseGeneral [K..., N...])
   # enters as stored, reshaped to [K, N]: W^T is made inside, from the same read as W, and
   # dW leaves as [K, N] (no transposes for XLA to run either way).

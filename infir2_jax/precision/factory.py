@@ -33,7 +33,9 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
     attention module at `path` as one product (precision.fused_qkv: one GEMM each way;
     FP8 or bf16) where they share a recipe that fused_qkv.supports, without telemetry,
     unless cfg.fused_qkv is False; None elsewhere (three dot_generals). It runs per shard
-    (per_shard_qkv) for bf16 too, so that each device concatenates its own heads.
+    (per_shard_qkv) for bf16 too, so that each device concatenates its own heads. Its
+    `accepts_normed` is cfg.fused_norm for FP8 recipes: the model then hands it the
+    input_layernorm's NormedInput.
   - attention: factory.attention(path) -> the FP8 attention of the attention module at
     `path` ("layers_0/self_attn") where its recipe has an `attention` spec
     (fp8_attention.fp8_attention, called as attend(q, k, v, segment_ids or None); with
@@ -87,7 +89,8 @@ def make_dot_general_factory(cfg: PrecisionConfig, *, telemetry: bool = False):
     key = ("qkv", recipe.name, axes)
     if key not in cache:
       fn = fused_qkv.make_fused_qkv(recipe, backend=cfg.backend,
-                                    quantize_backend=cfg.quantize_backend)
+                                    quantize_backend=cfg.quantize_backend,
+                                    fused_norm=cfg.fused_norm)
       cache[key] = fn if axes is None else per_shard_qkv(fn, axes)
     return cache[key]
 

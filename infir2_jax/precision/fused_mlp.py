@@ -45,10 +45,10 @@ from jax.ad_checkpoint import checkpoint_name
 from infir2_jax.precision import cotangents, gemm
 from infir2_jax.precision.dot_general import (
     FP8_GEMM_OUT, FP8_RESIDUALS, GemmPlan, check_quantize_backend, make_dot_general,
-    quantize_rows, quantize_weight_both, quantizer_kernels)
+    normed_operand, quantize_rows, quantize_weight_both, quantize_x, quantizer_kernels)
 from infir2_jax.precision.kernels import fused_quantize
 from infir2_jax.precision.normed import (
-    NormedInput, as_residual, from_residual, materialize, normed_vjp, quantize_normed_rows)
+    NormedInput, as_residual, from_residual, materialize, normed_vjp)
 from infir2_jax.precision.quantize import QTensor, resolve_tile
 from infir2_jax.precision.recipes import Recipe, get_recipe
 
@@ -148,21 +148,11 @@ def _matmul(plan: _MlpPlan, which: int, a, b, out_dtype, **kw):
                         fast_accum=plan.fast_accum[which], **kw)
 
 
-def _quantize_x(gp: GemmPlan, x, spec, spec_t):
-  """quantize_rows of x: an array [M, D], or a NormedInput (h [..., D], inv [..., 1]) whose
-  tiles come from h as [M, D] rows, no normed x written."""
-  if isinstance(x, NormedInput):
-    d = x.h.shape[-1]
-    rows = dataclasses.replace(x, h=x.h.reshape(-1, d), inv=x.inv.reshape(-1, 1))
-    return quantize_normed_rows(gp, rows, spec, spec_t)
-  return quantize_rows(gp, x, spec, spec_t)
-
-
 def _forward(plan: _MlpPlan, x_MxD, wg_DxF, wu_DxF, wd_FxD):
   gp, r = plan.gemm, plan.gemm.recipe
   dtype = gp.compute_dtype
   with jax.named_scope("fp8_fprop"):
-    xq, xt_DxM = _quantize_x(gp, x_MxD, r.fprop.lhs, r.wgrad.lhs)
+    xq, xt_DxM = quantize_x(gp, x_MxD, r.fprop.lhs, r.wgrad.lhs)
     wgu_2FxD, wgu_Dx2F = quantize_weight_both(gp, jnp.concatenate([wg_DxF, wu_DxF], axis=1),
                                               r.fprop.rhs, r.dgrad.rhs)
     gu_Mx2F = _matmul(plan, 0, xq, wgu_2FxD, dtype, isolate_kernel_output=True)
@@ -191,7 +181,7 @@ def _fused_mlp_fwd(plan: _MlpPlan, x_MxD, wg_DxF, wu_DxF, wd_FxD):
 # dgamma are not (normed_vjp: elementwise, and a sum over tokens for dgamma), yet the mark
 # stays true where train/grads.py reads it: only for a param whose single use is a cast to
 # a narrower float feeding this op. h and inv are activations, and gamma enters in float32
-# (make_gated_mlp casts it up), so no param's gradient is ever taken as exact in bf16 here:
+# (dot_general.normed_operand), so no param's gradient is ever taken as exact in bf16 here:
 # the norm scale keeps its float32 gradient, as RMSNorm's elementwise use gives it.
 @cotangents.cotangent_is_buffer
 def _fused_mlp_bwd(plan: _MlpPlan, res, dy_MxD):
@@ -236,12 +226,10 @@ def _composed(recipe: Recipe, backend: str, quantize_backend: str = "mosaic"):
 
 
 def _fused_operand(x, d: int):
-  """_fused_mlp's x: an array as [M, D] rows; a NormedInput as it is, gamma in float32 (see
-  _fused_mlp_bwd's mark). Its h keeps its leading dims into the custom_vjp, so that
-  normed_vjp sums dgamma over the same axes as autodiff through RMSNorm does (a bf16 sum:
-  over [B, L] and over [B * L] its bits differed on CPU)."""
+  """_fused_mlp's x: an array as [M, D] rows; a NormedInput as dot_general.normed_operand
+  has it (h with its leading dims, gamma in float32: that function says why)."""
   if isinstance(x, NormedInput):
-    return dataclasses.replace(x, gamma=x.gamma.astype(jnp.float32))
+    return normed_operand(x)
   return x.reshape(-1, d)
 
 

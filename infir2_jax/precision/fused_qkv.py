@@ -27,12 +27,18 @@ them K = Nk, narrow) and added their bf16 results. On the concatenated weights d
 GEMM over K = Nq + 2 Nk, summed in its float32 accumulator and rounded once: q, k, v and
 the weight gradients are unchanged, dx is closer to float64.
 
+x may be a NormedInput (precision/normed.py, precision.fused_norm): the input_layernorm not
+yet applied. The one FP8 product quantizes it straight from the residual stream
+(dot_general.py takes it as its lhs), so the normed x is never written; the three products
+and the bf16 recipe (no quantizer to fuse it into) get it materialized.
+
 Shape legend: M tokens, D width, Nq = H x Dh, Nk = KV x Dh.
 """
 
 import jax.numpy as jnp
 
 from infir2_jax.precision.dot_general import make_dot_general
+from infir2_jax.precision.normed import NormedInput, materialize
 from infir2_jax.precision.per_shard import shard_local
 from infir2_jax.precision.recipes import Recipe, get_recipe
 
@@ -47,10 +53,13 @@ def supports(recipe: "Recipe | str") -> bool:
 
 
 def make_fused_qkv(recipe: "Recipe | str", *, backend: str = "auto",
-                   quantize_backend: str = "mosaic"):
+                   quantize_backend: str = "mosaic", fused_norm: bool = False):
   """qkv(x [..., D], wq [D, Nq], wk [D, Nk], wv [D, Nk]) -> (q, k, v) [..., N*] of `recipe`
   (one that `supports`), all in the compute dtype: one product on the concatenated weights
-  where every width is a multiple of 128 (any width for bf16), else three."""
+  where every width is a multiple of 128 (any width for bf16), else three. x may be a
+  NormedInput with h [..., D] (the module docstring). fused_norm (precision.fused_norm) sets
+  qkv.accepts_normed, which tells the model to hand it its norm's NormedInput rather than
+  the normed x; never for bf16, which would only materialize it."""
   recipe = get_recipe(recipe)
   if not supports(recipe):
     raise ValueError(f"recipe {recipe.name!r} has no fused q/k/v product (needs bf16 or a "
@@ -58,13 +67,18 @@ def make_fused_qkv(recipe: "Recipe | str", *, backend: str = "auto",
   dot_general = make_dot_general(recipe, backend=backend, quantize_backend=quantize_backend)
 
   def qkv(x, wq, wk, wv):
-    dims = (((x.ndim - 1,), (0,)), ((), ()))
     widths = (wq.shape[1], wk.shape[1], wv.shape[1])
-    if not recipe.is_bf16 and any(n % TILE for n in widths):
+    three = not recipe.is_bf16 and any(n % TILE for n in widths)
+    if isinstance(x, NormedInput) and (three or recipe.is_bf16):
+      x = materialize(x)
+    ndim = x.h.ndim if isinstance(x, NormedInput) else x.ndim
+    dims = (((ndim - 1,), (0,)), ((), ()))
+    if three:
       return tuple(dot_general(x, w, dims) for w in (wq, wk, wv))
     y = dot_general(x, jnp.concatenate([wq, wk, wv], axis=1), dims)
     nq, nk, _ = widths
     return y[..., :nq], y[..., nq:nq + nk], y[..., nq + nk:]
 
   qkv.recipe = recipe
+  qkv.accepts_normed = fused_norm and not recipe.is_bf16
   return qkv

@@ -5,26 +5,24 @@ stream, inv = rsqrt(mean(h**2) + eps) per row, gamma the norm's scale) only to q
 for its first GEMMs. Written out, y costs one write and one read of a bf16 [tokens, D]
 tensor per norm per layer (~2 x 50 MB at 1.5B and 16k tokens) between two kernels that
 could be one. So the norm may hand over NormedInput(h, inv, gamma) instead of y
-(precision.fused_norm), and the consumer (fused_mlp) quantizes it directly:
+(precision.fused_norm), and the consumer (the fused MLP, or the FP8 dot_general of the fused
+q|k|v product) quantizes it directly:
 
   forward   h, inv [M, 1], gamma -> (y 1x128 tiles, y^T token tiles)   one read of h, no y
-            (kernels.quantize_normed_tiles on Hopper; elsewhere y is made and quantized by
-            XLA, quantize_rows: the same bits)
+            (dot_general.quantize_normed_rows: kernels.quantize_normed_tiles on Hopper;
+            elsewhere y is made and quantized by XLA, quantize_rows: the same bits)
   backward  dy = the consumer's dx  ->  (dh, dinv, dgamma)              normed_vjp: autodiff
             of y's formula, so the gradients are those of the unfused model's product; dinv
             flows on to inv's own (autodiff) formula, as RMSNorm's does
+This module holds the operand and its formulas; its quantizer lives with the others in
+dot_general.py, which imports it (so that the FP8 dot_general can take one).
 """
 
 import dataclasses
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
-
-from infir2_jax.precision.dot_general import GemmPlan, quantize_rows, quantizer_kernels
-from infir2_jax.precision.quantize import QTensor, resolve_tile
-from infir2_jax.precision.recipes import OperandSpec
 
 
 @jax.tree_util.register_dataclass
@@ -65,38 +63,6 @@ def as_residual(n: NormedInput) -> NormedInput:
 def from_residual(n: NormedInput) -> NormedInput:
   """as_residual's inverse (exact: h was a tensor in the compute dtype)."""
   return dataclasses.replace(n, h=n.h.astype(jnp.float32))
-
-
-def _normed_kernel(plan: GemmPlan, n: NormedInput, spec: OperandSpec,
-                   spec_t: "OperandSpec | None"):
-  """kernels.quantize_normed_tiles where it applies to n and both specs, else None: on
-  Hopper (quantizer_kernels), with the Mosaic GPU quantizers (it has no Triton twin) and a
-  kernels module that has it (looked up at call time, as gemm.pallas_kernels does)."""
-  if spec_t is None or not (spec.quantized and spec_t.quantized):
-    return None
-  if plan.quantize_backend != "mosaic":
-    return None
-  kernels = quantizer_kernels(plan, stream(n), spec, spec_t, tile=(1, 128))
-  return None if kernels is None else getattr(kernels, "quantize_normed_tiles", None)
-
-
-def quantize_normed_rows(plan: GemmPlan, n: NormedInput, spec: OperandSpec,
-                         spec_t: "OperandSpec | None"):
-  """quantize_rows(plan, materialize(n), spec, spec_t) for n of a 2-D h [M, K]: on Hopper
-  both tile sets from one read of h, y never written; elsewhere y made, then quantize_rows.
-
-  The fallback's y passes an optimization barrier: fused into XLA's quantizer, y's rounding
-  to bf16 is dropped (xla_allow_excess_precision folds convert(convert(y32, bf16), f32)),
-  and the tiles would be those of the float32 product, not of y as the kernel quantizes it
-  (on CPU 3.5% of the FP8 values differed; the unfused model's XLA path can fold RMSNorm's
-  y into its quantizer the same way)."""
-  quantize_normed_tiles = _normed_kernel(plan, n, spec, spec_t)
-  if quantize_normed_tiles is None:
-    return quantize_rows(plan, lax.optimization_barrier(materialize(n)), spec, spec_t)
-  q, s, qt, st = quantize_normed_tiles(stream(n), n.inv, n.gamma, fmt=spec.fmt,
-                                       scale_format=spec.scale_format, with_transpose=True)
-  return (QTensor(q, s, resolve_tile(spec.tile, q.shape), spec.scale_format),
-          QTensor(qt, st, resolve_tile(spec_t.tile, qt.shape), spec_t.scale_format))
 
 
 def normed_vjp(n: NormedInput, dy: jax.Array) -> NormedInput:

@@ -121,8 +121,9 @@ class MlpAxes:
 
 
 def _rows_spec(x, rows_spec):
-  """in_specs entry of the MLP's x: rows_spec, or for a NormedInput rows_spec for h and inv
-  (each row's 1 / rms lives with its row) and gamma whole (D is never split here)."""
+  """in_specs entry of the MLP's or the q/k/v product's x: rows_spec, or for a NormedInput
+  rows_spec for h and inv (each row's 1 / rms lives with its row) and gamma whole (D is
+  never split here)."""
   if isinstance(x, NormedInput):
     return NormedInput(rows_spec, rows_spec, P(None), x.dtype)
   return rows_spec
@@ -178,12 +179,13 @@ class QkvAxes:
 def per_shard_qkv(qkv, axes: QkvAxes):
   """`qkv` (x, wq, wk, wv) run inside shard_map on each device's shard: tokens split like
   the batch, each weight's N like its compute axis (column-parallel: each device
-  concatenates its own heads of q, k and v). One global call when there is no mesh of
-  several devices, x is not laid out as `axes` says, D is split, or a split does not
-  divide evenly."""
+  concatenates its own heads of q, k and v). x may be a NormedInput, split as per_shard_mlp
+  splits one. One global call when there is no mesh of several devices, x is not laid out
+  as `axes` says, D is split, or a split does not divide evenly."""
   def call(x, wq, wk, wv):
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or x.ndim != len(axes.x):
+    rows = x.h if isinstance(x, NormedInput) else x
+    if mesh.empty or mesh.size == 1 or rows.ndim != len(axes.x):
       return qkv(x, wq, wk, wv)
     *lead, d_axes = _mesh_axes(axes.x)
     dq_axes, q_axes = _mesh_axes(axes.q)
@@ -191,13 +193,15 @@ def per_shard_qkv(qkv, axes: QkvAxes):
     if any(a is not None for a in (d_axes, dq_axes, dk_axes)):
       return qkv(x, wq, wk, wv)
     x_spec, wq_spec, wkv_spec = P(*lead, None), P(None, q_axes), P(None, kv_axes)
-    dims = [*zip(x.shape, x_spec), *zip(wq.shape, wq_spec), *zip(wk.shape, wkv_spec),
+    dims = [*zip(rows.shape, x_spec), *zip(wq.shape, wq_spec), *zip(wk.shape, wkv_spec),
             *zip(wv.shape, wkv_spec)]
     if any(size % _ways(mesh, entry) for size, entry in dims):
       return qkv(x, wq, wk, wv)
     out_specs = (P(*lead, q_axes), P(*lead, kv_axes), P(*lead, kv_axes))
-    return jax.shard_map(qkv, mesh=mesh, in_specs=(x_spec, wq_spec, wkv_spec, wkv_spec),
-                         out_specs=out_specs, check_vma=False)(x, wq, wk, wv)
+    in_specs = (_rows_spec(x, x_spec), wq_spec, wkv_spec, wkv_spec)
+    return jax.shard_map(qkv, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(x, wq, wk, wv)
 
   call.recipe = getattr(qkv, "recipe", None)
+  call.accepts_normed = getattr(qkv, "accepts_normed", False)
   return call
