@@ -399,13 +399,23 @@ def quantize_tiles(x, *, fmt="e4m3", scale_format="ue8m0", with_transpose=False,
     (q [..., K], s [..., Kb]) and, with_transpose, (qT [K, M], sT [K, Mb]).
   """
   _check_formats(fmt, scale_format)
-  if with_transpose and x.ndim != 2:
-    raise ValueError(f"x.shape={x.shape}: with_transpose needs a 2-D [tokens, K] array")
-  if x.ndim < 2:
-    raise ValueError(f"x.shape={x.shape}: needs at least 2 dims")
-  lead, k = x.shape[:-1], x.shape[-1]
+  lead, k = _rows_of(x, "x", with_transpose)
   outs = _quantize_2d(x.reshape(-1, k), fmt=fmt, scale_format=scale_format, blocks=False,
                       with_transpose=with_transpose, interpret=interpret)
+  return _with_lead(outs, lead, k)
+
+
+def _rows_of(x, name: str, with_transpose: bool):
+  """(leading dims, K) of a tile quantizer's [..., K] input, or the ValueError naming it."""
+  if with_transpose and x.ndim != 2:
+    raise ValueError(f"{name}.shape={x.shape}: with_transpose needs a 2-D [tokens, K] array")
+  if x.ndim < 2:
+    raise ValueError(f"{name}.shape={x.shape}: needs at least 2 dims")
+  return x.shape[:-1], x.shape[-1]
+
+
+def _with_lead(outs, lead, k):
+  """_quantize_2d's (q, s[, qT, sT]) with q and s given back their leading dims."""
   q, s = outs[0].reshape(*lead, k), outs[1].reshape(*lead, outs[1].shape[-1])
   return (q, s, *outs[2:])
 
@@ -427,11 +437,7 @@ def quantize_normed_tiles(h, inv, gamma, *, fmt="e4m3", scale_format="ue8m0",
     quantize_tiles(rms_normed_reference(h, inv, gamma), ...)'s outputs, bit for bit.
   """
   _check_formats(fmt, scale_format)
-  if with_transpose and h.ndim != 2:
-    raise ValueError(f"h.shape={h.shape}: with_transpose needs a 2-D [tokens, K] array")
-  if h.ndim < 2:
-    raise ValueError(f"h.shape={h.shape}: needs at least 2 dims")
-  lead, k = h.shape[:-1], h.shape[-1]
+  lead, k = _rows_of(h, "h", with_transpose)
   if inv.shape != (*lead, 1):
     raise ValueError(f"inv.shape={inv.shape}: needs {(*lead, 1)} (one 1 / rms per row of h)")
   if gamma.shape != (k,):
@@ -440,8 +446,7 @@ def quantize_normed_tiles(h, inv, gamma, *, fmt="e4m3", scale_format="ue8m0",
           gamma.astype(h.dtype).astype(jnp.float32))
   outs = _quantize_2d(h.reshape(-1, k), fmt=fmt, scale_format=scale_format, blocks=False,
                       with_transpose=with_transpose, interpret=interpret, norm=norm)
-  q, s = outs[0].reshape(*lead, k), outs[1].reshape(*lead, outs[1].shape[-1])
-  return (q, s, *outs[2:])
+  return _with_lead(outs, lead, k)
 
 
 def quantize_blocks(w, *, fmt="e4m3", scale_format="ue8m0", with_transpose=False,
