@@ -182,6 +182,18 @@ NORMED_KERNELS = {
     "absent": None}
 
 
+def _stand_in_forwards(monkeypatch, normed_kernel, loss, args):
+  """With the stand-in kernels (NORMED_KERNELS[normed_kernel] as quantize_normed_tiles):
+  loss's forward on the NormedInput equals its forward on y bit for bit; returns the kernel
+  calls the two traces made."""
+  calls = collections.Counter()
+  stand_in = _stand_in_kernels(calls, NORMED_KERNELS[normed_kernel])
+  monkeypatch.setattr(gemm, "pallas_kernels", lambda backend: stand_in)
+  forward = lambda normed: jax.jit(lambda *a: loss(normed, *a), compiler_options=EXACT)(*args)
+  _bits_equal(forward(True), forward(False))
+  return calls
+
+
 @pytest.mark.parametrize("normed_kernel", list(NORMED_KERNELS))
 def test_on_hopper_the_normed_tiles_come_from_one_kernel(monkeypatch, normed_kernel):
   """With the kernels (stand-ins; quantize_normed_tiles its reference, or the Mosaic GPU
@@ -190,12 +202,8 @@ def test_on_hopper_the_normed_tiles_come_from_one_kernel(monkeypatch, normed_ker
   materialized x through the reference kernels. A kernels module without
   quantize_normed_tiles falls back to quantize_tiles of y."""
   args, ct = _operands(3)
-  calls = collections.Counter()
-  stand_in = _stand_in_kernels(calls, NORMED_KERNELS[normed_kernel])
-  monkeypatch.setattr(gemm, "pallas_kernels", lambda backend: stand_in)
   loss = _losses(make_gated_mlp("infir2", backend="auto", fused_norm=True), ct)
-  forward = lambda normed: jax.jit(lambda *a: loss(normed, *a), compiler_options=EXACT)(*args)
-  _bits_equal(forward(True), forward(False))
+  calls = _stand_in_forwards(monkeypatch, normed_kernel, loss, args)
   assert calls["swiglu_quantize"] == 2 and calls["gemm"] == 4   # two forwards traced
   with_normed = NORMED_KERNELS[normed_kernel] is not None
   assert (calls["quantize_normed_tiles"], calls["quantize_tiles"]) == (
@@ -268,12 +276,8 @@ def test_on_hopper_the_qkv_tiles_come_from_one_kernel(monkeypatch, normed_kernel
   quantize_normed_tiles call and no quantize_tiles of a materialized x (the unfused forward
   has the one); the same output and gradients as the materialized x."""
   args, cts = _qkv_operands(seed=7)
-  calls = collections.Counter()
-  stand_in = _stand_in_kernels(calls, NORMED_KERNELS[normed_kernel])
-  monkeypatch.setattr(gemm, "pallas_kernels", lambda backend: stand_in)
   loss = _qkv_losses(make_fused_qkv("infir2", backend="auto", fused_norm=True), cts)
-  forward = lambda normed: jax.jit(lambda *a: loss(normed, *a), compiler_options=EXACT)(*args)
-  _bits_equal(forward(True), forward(False))
+  calls = _stand_in_forwards(monkeypatch, normed_kernel, loss, args)
   assert calls["gemm"] == 2   # one product per forward traced
   with_normed = NORMED_KERNELS[normed_kernel] is not None
   assert (calls["quantize_normed_tiles"], calls["quantize_tiles"]) == (

@@ -147,10 +147,9 @@ class Attention(nn.Module):
   def __call__(self, x_BxLxD: "jax.Array | NormedInput", positions_BxL, segment_ids_BxL,
                decode: bool = False):
     cfg = self.config
-    if isinstance(x_BxLxD, NormedInput) and not self.takes_normed(x_BxLxD.h.ndim):
+    if isinstance(x_BxLxD, NormedInput) and not self.takes_normed(x_BxLxD.ndim):
       x_BxLxD = materialize(x_BxLxD)
-    rows_BxLxD = x_BxLxD.h if isinstance(x_BxLxD, NormedInput) else x_BxLxD
-    batch, length, width = rows_BxLxD.shape
+    batch, length, width = x_BxLxD.shape
     heads, kv_heads, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_size
     q, k, v = self._qkv(x_BxLxD)
     q_BxLxHxDh = q.reshape(batch, length, heads, dh)
@@ -181,14 +180,13 @@ class Attention(nn.Module):
              ("k_proj", kv_heads * dh, ("embed", "kv_heads")),
              ("v_proj", kv_heads * dh, ("embed", "kv_heads")))
     normed = isinstance(x_BxLxD, NormedInput)
-    rows_BxLxD = x_BxLxD.h if normed else x_BxLxD
-    fused = self._fused_op(rows_BxLxD.ndim)
+    fused = self._fused_op(x_BxLxD.ndim)
     if fused is None:
       return tuple(self._dense(n, axes, cfg.qkv_bias, name)(x_BxLxD)
                    for name, n, axes in specs)
     dtype = jnp.dtype(cfg.dtype)
     params = [LinearParams(n, axes, cfg.qkv_bias, dtype, jnp.dtype(cfg.param_dtype),
-                           cfg.init_std, name=name)(rows_BxLxD.shape[-1])
+                           cfg.init_std, name=name)(x_BxLxD.shape[-1])
               for name, n, axes in specs]
     outs = fused(x_BxLxD if normed else x_BxLxD.astype(dtype),
                  *(kernel for kernel, _ in params))

@@ -265,11 +265,10 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD: "jax.Array | NormedInput"):
     normed = isinstance(x_BxLxD, NormedInput)
-    if normed and not self.takes_normed(x_BxLxD.h.ndim):
+    if normed and not self.takes_normed(x_BxLxD.ndim):
       x_BxLxD, normed = materialize(x_BxLxD), False
-    rows_BxLxD = x_BxLxD.h if normed else x_BxLxD
-    width, hidden = rows_BxLxD.shape[-1], self.intermediate_size
-    fused = self._fused_op(rows_BxLxD.ndim)
+    width, hidden = x_BxLxD.shape[-1], self.intermediate_size
+    fused = self._fused_op(x_BxLxD.ndim)
     if fused is not None:
       kernel = lambda features, axes, name, fan_in: LinearParams(
           features, axes, False, self.dtype, self.param_dtype, self.init_std,

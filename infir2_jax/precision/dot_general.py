@@ -335,7 +335,7 @@ def canonicalize(lhs: "jax.Array | NormedInput", rhs: jax.Array, dimension_numbe
     raise NotImplementedError(
         f"FP8 dot_general supports no batch dimensions, got lhs {tuple(lb)} rhs {tuple(rb)}; "
         "batched GEMMs (attention) stay in bf16 by design")
-  shape = lhs.h.shape if isinstance(lhs, NormedInput) else lhs.shape
+  shape = lhs.shape
   lc = tuple(d % len(shape) for d in lc)
   rc = tuple(d % rhs.ndim for d in rc)
   if len(lc) != len(rc) or any(shape[i] != rhs.shape[j] for i, j in zip(lc, rc)):

@@ -255,10 +255,9 @@ def make_gated_mlp(recipe: "Recipe | str", *, backend: str = "auto",
   composed = _composed(recipe, backend, quantize_backend)
 
   def mlp(x, wg_DxF, wu_DxF, wd_FxD):
-    rows = x.h if isinstance(x, NormedInput) else x
     x_dtype = np.dtype(x.dtype)   # a NormedInput's: the compute dtype its y rounds to
-    (d, f), lead = wg_DxF.shape, rows.shape[:-1]
-    if f % TILE or wu_DxF.shape != (d, f) or wd_FxD.shape != (f, d) or rows.shape[-1] != d:
+    (d, f), lead = wg_DxF.shape, x.shape[:-1]
+    if f % TILE or wu_DxF.shape != (d, f) or wd_FxD.shape != (f, d) or x.shape[-1] != d:
       x = materialize(x) if isinstance(x, NormedInput) else x
       return composed(x, wg_DxF, wu_DxF, wd_FxD)
     dtype = np.dtype(jnp.result_type(x_dtype, wg_DxF.dtype))

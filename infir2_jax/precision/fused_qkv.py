@@ -71,8 +71,7 @@ def make_fused_qkv(recipe: "Recipe | str", *, backend: str = "auto",
     three = not recipe.is_bf16 and any(n % TILE for n in widths)
     if isinstance(x, NormedInput) and (three or recipe.is_bf16):
       x = materialize(x)
-    ndim = x.h.ndim if isinstance(x, NormedInput) else x.ndim
-    dims = (((ndim - 1,), (0,)), ((), ()))
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
     if three:
       return tuple(dot_general(x, w, dims) for w in (wq, wk, wv))
     y = dot_general(x, jnp.concatenate([wq, wk, wv], axis=1), dims)

@@ -38,11 +38,20 @@ class NormedInput:
   h enters in float32 so that its cotangent leaves in float32: RMSNorm's autodiff adds the
   product's and the row statistics' contributions to dh in float32 and rounds once to the
   stream's dtype, and so does the fused path (a bf16 h would round the product's part on its
-  own first). A pytree: it passes through jit, custom_vjp and shard_map."""
+  own first). A pytree: it passes through jit, custom_vjp and shard_map. Its shape, ndim and
+  dtype are those of the operand it stands for, so code that only sizes x takes either."""
   h: jax.Array
   inv: jax.Array
   gamma: jax.Array
   dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.h.shape
+
+  @property
+  def ndim(self) -> int:
+    return self.h.ndim
 
 
 def materialize(n: NormedInput) -> jax.Array:

@@ -138,15 +138,14 @@ def per_shard_mlp(mlp, axes: MlpAxes):
   D is split, or a split does not divide evenly."""
   def call(x, wg, wu, wd):
     mesh = jax.sharding.get_abstract_mesh()
-    rows = x.h if isinstance(x, NormedInput) else x
-    if mesh.empty or mesh.size == 1 or rows.ndim != len(axes.x):
+    if mesh.empty or mesh.size == 1 or x.ndim != len(axes.x):
       return mlp(x, wg, wu, wd)
     *lead, d_axes = _mesh_axes(axes.x)
     dk_axes, f_axes = _mesh_axes(axes.hidden)
     if d_axes is not None or dk_axes is not None:
       return mlp(x, wg, wu, wd)
     x_spec, w_spec, wd_spec = P(*lead, None), P(None, f_axes), P(f_axes, None)
-    dims = [*zip(rows.shape, x_spec), *zip(wg.shape, w_spec), *zip(wd.shape, wd_spec)]
+    dims = [*zip(x.shape, x_spec), *zip(wg.shape, w_spec), *zip(wd.shape, wd_spec)]
     if any(size % _ways(mesh, entry) for size, entry in dims):
       return mlp(x, wg, wu, wd)
     shard = lambda f, out_spec: jax.shard_map(
@@ -184,8 +183,7 @@ def per_shard_qkv(qkv, axes: QkvAxes):
   as `axes` says, D is split, or a split does not divide evenly."""
   def call(x, wq, wk, wv):
     mesh = jax.sharding.get_abstract_mesh()
-    rows = x.h if isinstance(x, NormedInput) else x
-    if mesh.empty or mesh.size == 1 or rows.ndim != len(axes.x):
+    if mesh.empty or mesh.size == 1 or x.ndim != len(axes.x):
       return qkv(x, wq, wk, wv)
     *lead, d_axes = _mesh_axes(axes.x)
     dq_axes, q_axes = _mesh_axes(axes.q)
@@ -193,7 +191,7 @@ def per_shard_qkv(qkv, axes: QkvAxes):
     if any(a is not None for a in (d_axes, dq_axes, dk_axes)):
       return qkv(x, wq, wk, wv)
     x_spec, wq_spec, wkv_spec = P(*lead, None), P(None, q_axes), P(None, kv_axes)
-    dims = [*zip(rows.shape, x_spec), *zip(wq.shape, wq_spec), *zip(wk.shape, wkv_spec),
+    dims = [*zip(x.shape, x_spec), *zip(wq.shape, wq_spec), *zip(wk.shape, wkv_spec),
             *zip(wv.shape, wkv_spec)]
     if any(size % _ways(mesh, entry) for size, entry in dims):
       return qkv(x, wq, wk, wv)
