@@ -155,17 +155,21 @@ def test_quantize_tiles_bit_identical_on_gpu(m, k, fmt, scale_format):
 @pytest.mark.parametrize("m,k", [(256, 384), (1000, 1544), (4096, 1536)])
 @pytest.mark.parametrize("fmt,scale_format", [("e4m3", "ue8m0"), ("e5m2", "fp32")])
 def test_quantize_normed_tiles_bit_identical_on_gpu(m, k, fmt, scale_format):
-  """The normed kernel against what the step runs without it: XLA's RMSNorm written out in
-  bf16, then quantize_tiles (and its reference), on this GPU."""
+  """The normed kernel against XLA's RMSNorm written out in bf16, then quantize_tiles (and
+  its reference), on this GPU. The norm compiles with xla_allow_excess_precision off: with
+  it on (XLA's default), XLA:GPU may keep h * inv in float32 where the norm rounds it to
+  bf16 before gamma's product, and y would not be rms_normed_reference's (session 30
+  measured this: the kernel differed from the default-compiled y)."""
   h, inv, gamma = cpu._norm_inputs(m, k, seed=m)
   kw = dict(fmt=fmt, scale_format=scale_format, with_transpose=True)
   out = jax.jit(lambda h, i, g: kernels.quantize_normed_tiles(h, i, g, **kw))(h, inv, gamma)
-  y = jax.jit(lambda h, i, g: g.astype(jnp.bfloat16)
-              * (h.astype(jnp.float32) * i).astype(jnp.bfloat16))(h, inv, gamma)
+  y = jax.jit(kernels.quantize.rms_normed_reference,
+              compiler_options={"xla_allow_excess_precision": False})(h, inv, gamma)
   separate = jax.jit(lambda y: kernels.quantize_tiles(y, **kw))(y)
   ref = jax.jit(lambda y: kernels.quantize_tiles_reference(y, **kw))(y)
-  for o, a, r in zip(out, separate, ref):
-    assert cpu._bit_equal(o, a) and cpu._bit_equal(o, r)
+  for name, o, a, r in zip(("q", "s", "qt", "st"), out, separate, ref):
+    frac = float(jnp.mean((o.astype(jnp.float32) != r.astype(jnp.float32))))
+    assert cpu._bit_equal(o, a) and cpu._bit_equal(o, r), f"{name}: {frac:.2e} of it differs"
 
 
 @pytest.mark.parametrize("r,c", [(1536, 8960), (200, 312)])
