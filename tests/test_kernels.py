@@ -269,6 +269,22 @@ def test_quantize_normed_tiles_interpret_bit_identical(m, k, fmt, scale_format,
     assert _bit_equal(q3.reshape(m, k), out[0]) and _bit_equal(s3.reshape(m, -1), out[1])
 
 
+def test_normed_kernels_gamma_rounds_as_a_bf16_cast():
+  """The normed kernel's gamma is rounded by reduce_precision (a convert pair would be folded
+  away by XLA:GPU): the same values as numpy's (ml_dtypes') cast to bfloat16, over normal,
+  subnormal, tie, overflowing and non-finite float32 inputs, jitted and not."""
+  r = np.random.default_rng(0)
+  x = (r.standard_normal(20000) * np.exp2(r.integers(-140, 128, 20000))).astype(np.float32)
+  ties = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.3895314e38, 2**-133],
+                  np.float32)
+  x = np.concatenate([x, ties, np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)])
+  want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+  for f in (quantize._rounded_to, jax.jit(quantize._rounded_to, static_argnums=1)):
+    got = np.asarray(f(jnp.asarray(x), jnp.bfloat16))
+    assert np.array_equal(got, want, equal_nan=True)
+    assert np.array_equal(np.signbit(got), np.signbit(want))
+
+
 def test_quantize_normed_tiles_rejects_bad_input():
   h, inv, gamma = _norm_inputs(128, 256)
   with pytest.raises(ValueError, match=r"inv.shape=\(128,\): needs \(128, 1\)"):

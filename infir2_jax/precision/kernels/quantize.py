@@ -420,6 +420,18 @@ def _with_lead(outs, lead, k):
   return (q, s, *outs[2:])
 
 
+def _rounded_to(x, dtype):
+  """x's values rounded to `dtype` (as x.astype(dtype) rounds them), held in float32.
+
+  Not x.astype(dtype).astype(float32): with xla_allow_excess_precision (XLA's default),
+  XLA:GPU folds that pair of converts away and passes x unrounded (session 30 measured it on
+  the H100: the kernel then multiplied by the float32 gamma, and its FP8 codes differed from
+  those of the norm's output). reduce_precision is an op of its own that no pass folds."""
+  info = jnp.finfo(dtype)
+  return lax.reduce_precision(x.astype(jnp.float32), exponent_bits=info.nexp,
+                              mantissa_bits=info.nmant)
+
+
 def quantize_normed_tiles(h, inv, gamma, *, fmt="e4m3", scale_format="ue8m0",
                           with_transpose=False, interpret=False):
   """quantize_tiles of an RMSNorm's output without writing it: the 1x128 tiles (and with
@@ -442,8 +454,7 @@ def quantize_normed_tiles(h, inv, gamma, *, fmt="e4m3", scale_format="ue8m0",
     raise ValueError(f"inv.shape={inv.shape}: needs {(*lead, 1)} (one 1 / rms per row of h)")
   if gamma.shape != (k,):
     raise ValueError(f"gamma.shape={gamma.shape}: needs ({k},) (one scale per column of h)")
-  norm = (inv.reshape(-1).astype(jnp.float32),
-          gamma.astype(h.dtype).astype(jnp.float32))
+  norm = (inv.reshape(-1).astype(jnp.float32), _rounded_to(gamma, h.dtype))
   outs = _quantize_2d(h.reshape(-1, k), fmt=fmt, scale_format=scale_format, blocks=False,
                       with_transpose=with_transpose, interpret=interpret, norm=norm)
   return _with_lead(outs, lead, k)
