@@ -93,9 +93,10 @@ def bench(model, m, d, args):
   # The reference quantizes y written out in bf16 (its own jit): XLA may drop a bf16
   # rounding it fuses into a later float32 use (xla_allow_excess_precision), which neither
   # the step's y (an input of the quantize kernel) nor the normed kernel does.
-  # Session 30: y compiled with XLA's defaults differed from the kernel's on the H100 (XLA:GPU
-  # kept h * inv in float32 inside the norm's own fusion); the reference's y is compiled with
-  # the rounding kept, and the fraction of codes each y changes is recorded.
+  # Session 30: on the H100 the kernel differed from both; the cause was its own gamma (a
+  # convert pair XLA:GPU folded: quantize._rounded_to). The reference's y is compiled with
+  # excess precision off, so it keeps the norm's roundings whatever XLA fuses, and the
+  # fraction of the codes each y changes is recorded.
   y = jax.jit(rms_norm, compiler_options={"xla_allow_excess_precision": False})(h, g)
   y_default = jax.jit(rms_norm)(h, g)
   ref = jax.jit(lambda y: kernels.quantize_tiles_reference(y, with_transpose=True))(y)

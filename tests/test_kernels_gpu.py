@@ -156,10 +156,10 @@ def test_quantize_tiles_bit_identical_on_gpu(m, k, fmt, scale_format):
 @pytest.mark.parametrize("fmt,scale_format", [("e4m3", "ue8m0"), ("e5m2", "fp32")])
 def test_quantize_normed_tiles_bit_identical_on_gpu(m, k, fmt, scale_format):
   """The normed kernel against XLA's RMSNorm written out in bf16, then quantize_tiles (and
-  its reference), on this GPU. The norm compiles with xla_allow_excess_precision off: with
-  it on (XLA's default), XLA:GPU may keep h * inv in float32 where the norm rounds it to
-  bf16 before gamma's product, and y would not be rms_normed_reference's (session 30
-  measured this: the kernel differed from the default-compiled y)."""
+  its reference), on this GPU. The reference's norm compiles with xla_allow_excess_precision
+  off, so it keeps both bf16 roundings whatever XLA:GPU fuses (deviceless, its RMSNorm
+  fusion keeps them either way). Session 30's failures here were the kernel's own gamma:
+  a convert pair that XLA:GPU folded (quantize._rounded_to)."""
   h, inv, gamma = cpu._norm_inputs(m, k, seed=m)
   kw = dict(fmt=fmt, scale_format=scale_format, with_transpose=True)
   out = jax.jit(lambda h, i, g: kernels.quantize_normed_tiles(h, i, g, **kw))(h, inv, gamma)
