@@ -5,6 +5,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -57,10 +58,25 @@ def test_fused_qkv_is_three_projections_with_one_dgrad_accumulator(recipe):
       err(g_f[0]), rounded_once, err(g_t[0]))
 
 
+def _same_up_to_summation_order(a, b):
+  """a equals b, bf16 products of the same operands, except where XLA:CPU's GEMM sums K in
+  another order for the concatenated weights than for one projection's: such an element is
+  one bf16 rounding step off, and rare (session 30: on one CPU, 2 and 4 of the 24,576 k and v
+  outputs at width 96, none at 128; on the CPU of session 29's CI, none)."""
+  a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  differ = a32 != b32
+  if not differ.any():
+    return
+  step = np.spacing(np.abs(b32[differ]).astype(ml_dtypes.bfloat16)).astype(np.float32)
+  assert np.all(np.abs(a32[differ] - b32[differ]) <= step), "differs by more than one step"
+  assert differ.mean() < 1e-3, f"{differ.sum()} of {differ.size} elements differ"
+
+
 def test_bf16_fused_qkv_is_three_products_with_one_dgrad_accumulator():
-  """bf16 (Megatron's fused linear_qkv): q, k, v and the weight gradients bit for bit as
-  three bf16 dot_generals; dx is the float64 product rounded once to bf16, where three
-  products round each to bf16 and add them. Widths need not be whole tiles."""
+  """bf16 (Megatron's fused linear_qkv): q, k, v and the weight gradients as three bf16
+  dot_generals (bit for bit up to the GEMM's order of summation); dx is the float64 product
+  rounded once to bf16, where three products round each to bf16 and add them. Widths need
+  not be whole tiles."""
   for nk in (NK, 96):
     args, cts = _operands(seed=2, nk=nk)
     fused = fused_qkv.make_fused_qkv("bf16")
@@ -69,8 +85,8 @@ def test_bf16_fused_qkv_is_three_products_with_one_dgrad_accumulator():
     (ys_f, g_f), (ys_t, g_t) = (_value_and_grads(fused, args, cts),
                                 _value_and_grads(three, args, cts))
     for a, b in [*zip(ys_f, ys_t), *zip(g_f[1:], g_t[1:])]:
-      assert a.dtype == b.dtype == jnp.bfloat16
-      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+      assert a.dtype == b.dtype == jnp.bfloat16 and a.shape == b.shape
+      _same_up_to_summation_order(a, b)
     f64 = lambda t: np.asarray(t, np.float64)
     dy = np.concatenate([f64(c.astype(jnp.bfloat16)) for c in cts], 1)
     want = dy @ np.concatenate([f64(w) for w in args[1:]], 1).T
