@@ -56,6 +56,8 @@
 #        timed, infir2 with both old forms: the shared part's two fixes),
 #        sharedlean (session 29: the shared stage's four rows and the lean stage's FP8-moment row),
 #        normed (session 29: bf16, infir2, infir2 with precision.fused_norm),
+#        7bmaster (session 30: the 7B candidate differentiating the float32 masters beside
+#        the bf16 copies: INFIR2_GRAD_INPUTS=master's time and peak),
 #        normedpair (session 30: the normed kernel's GPU check and time alone, then infir2
 #        without and with precision.fused_norm, profiled),
 #        7bcand (session 29: the <= 78 GiB 7B candidate alone, for an 80 GB H100, then its
@@ -321,6 +323,16 @@ elif [[ $STAGE == normed ]]; then
   # again), against the default infir2 and bf16. Time the kernel alone first
   # (run_kernels_gpu.sh normed).
   step_1p5b bf16,infir2,infir2~precision.fused_norm=True 30
+elif [[ $STAGE == 7bmaster ]]; then
+  # Session 30 (issue 35): the <= 78 GiB 7B candidate differentiating the float32 masters
+  # (INFIR2_GRAD_INPUTS=master: no tree-wide bf16 copy; deviceless 61.7 GiB allocated, 54.8
+  # live at the peak, against 66.9) beside the cast copies: its time and the GPU's own peak.
+  U=model.scan_layers=False; M=opt.moments=fp8~model.loss_chunk=1024~model.loss_fused=True
+  timeout $((DEADLINE + 100)) python3 benchmarks/train_step.py --config=configs/7b.py \
+    --recipes=infir2~$U~$M~INFIR2_GRAD_INPUTS=master,infir2~$U~$M \
+    --seq_lens=4096 "${COMMON[@]}" --override=steps=14 --steps=10 --variant_timeout_s=$DEADLINE \
+    --deadline_s="$DEADLINE" --out="$OUT/train_step_7b_4k.json" 2>&1 \
+    | grep -vE "onstant.folding|slow_operation|^$" | tail -14
 elif [[ $STAGE == normedpair ]]; then
   # Session 30: the normed stage without its bf16 row, for a short GPU window: the RMSNorm ->
   # quantize kernel's GPU check and its time alone, then infir2 without and with fused_norm.

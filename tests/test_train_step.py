@@ -337,17 +337,26 @@ def test_bf16_gradients_where_they_are_a_gemm_output_or_a_scanned_slice():
   assert not _bf16_gradient_params(Qwen2(dataclasses.replace(cfg, dtype="float32")), params)
 
 
-@pytest.mark.parametrize("scan,fused,recipe", [
-    (False, False, "bf16"), (True, False, "bf16"), (False, True, "bf16"),
-    (False, False, "infir2"), (False, False, "infir2~fused_mlp=False")])
-def test_bf16_gradients_are_the_float32_gradients_bit_for_bit(scan, fused, recipe):
+@pytest.mark.parametrize("scan,fused,recipe,grad_inputs", [
+    (False, False, "bf16", "cast"), (True, False, "bf16", "cast"),
+    (False, True, "bf16", "cast"), (False, False, "infir2", "cast"),
+    (False, False, "infir2~fused_mlp=False", "cast"),
+    (False, False, "infir2", "master"), (True, False, "bf16", "master"),
+    (False, True, "infir2", "master")])
+def test_bf16_gradients_are_the_float32_gradients_bit_for_bit(scan, fused, recipe, grad_inputs,
+                                                              monkeypatch):
   """The compute-dtype gradients, converted, equal those of the float32 params exactly; the
   step built on them matches one differentiating the float32 params (to float32 rounding
   of two differently fused optimizer graphs). Accumulation: test_gradient_accumulation_*.
-  infir2: the FP8 projections' and fused MLP's wgrad GEMMs write dW in bf16."""
+  infir2: the FP8 projections' and fused MLP's wgrad GEMMs write dW in bf16.
+  grad_inputs "master" (INFIR2_GRAD_INPUTS): the masters differentiated with their
+  gradients routed to bf16 deltas, under full remat (what it is for): the same bits."""
+  from infir2_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
   from infir2_jax.train.step import compute_dtype_grad_fn  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(step_lib, "GRAD_INPUTS", grad_inputs)
   cfg = dataclasses.replace(TINY, dtype="bfloat16", tie_embeddings=False, scan_layers=scan,
-                            **({"loss_chunk": 8, "loss_fused": True} if fused else {}))
+                            **({"loss_chunk": 8, "loss_fused": True} if fused else {}),
+                            **({"remat": "full"} if grad_inputs == "master" else {}))
   name, *fused_mlp = recipe.split("~fused_mlp=")
   model = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(
       recipe=name, backend="xla", fused_mlp=not fused_mlp)))
@@ -491,3 +500,29 @@ def test_fused_fp8_step_equals_the_chain_and_runs_sharded_over_fsdp():
   (want, want_m), (got, got_m) = run_sharded(None), run_sharded(make_apply(opt_cfg, 10, tx))
   jax.tree.map(close, got["params"], want["params"])
   close(got_m["grad_norm"], want_m["grad_norm"])
+
+
+def test_telemetry_step_gives_the_same_bits_with_the_masters_differentiated(monkeypatch):
+  """The telemetry step (FP8 stats every N steps) under INFIR2_GRAD_INPUTS=master: the
+  gradients and the forward and backward statistics equal the cast copies' bit for bit; an
+  unknown INFIR2_GRAD_INPUTS is named."""
+  from infir2_jax.precision import telemetry  # pylint: disable=import-outside-toplevel
+  from infir2_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
+  cfg = dataclasses.replace(TINY, dtype="bfloat16", tie_embeddings=False, remat="full")
+  model_t = Qwen2(cfg, make_dot_general_factory(
+      PrecisionConfig(recipe="infir2", backend="xla"), telemetry=True))
+  params = nn.unbox(model_t.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  sinks = telemetry.init_sinks(model_t, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  batch = make_batch()
+  got = {}
+  for mode in ("cast", "master"):
+    monkeypatch.setattr(step_lib, "GRAD_INPUTS", mode)
+    got[mode] = jax.jit(step_lib._telemetry_grad_fn(model_t))(params, sinks, batch)  # pylint: disable=protected-access
+  leaves = [jax.tree.leaves(got[m]) for m in ("cast", "master")]
+  assert len(leaves[0]) == len(leaves[1]) > 10
+  for a, b in zip(*leaves):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  monkeypatch.setattr(step_lib, "GRAD_INPUTS", "copies")
+  with pytest.raises(ValueError, match="INFIR2_GRAD_INPUTS='copies': one of"):
+    step_lib.compute_dtype_grad_fn(model_t)(params, batch)

@@ -142,3 +142,44 @@ def cast_to(params, dtypes) -> Any:
   """params with each leaf whose entry in `dtypes` is not None cast to it."""
   return jax.tree.map(lambda p, d: p if d is None else p.astype(d), params, dtypes,
                       is_leaf=lambda x: x is None)
+
+
+@jax.custom_vjp
+def _master_with_cast_gradient(p, delta):
+  """p itself (the float32 master); its cotangent goes to delta, in delta's dtype."""
+  del delta
+  return p
+
+
+def _master_fwd(p, delta):
+  return p, jnp.zeros((), delta.dtype)   # only the dtype is kept
+
+
+def _master_bwd(dtype_of_delta, ct):
+  return None, ct.astype(dtype_of_delta.dtype)
+
+
+_master_with_cast_gradient.defvjp(_master_fwd, _master_bwd)
+
+
+def masters_with_cast_gradients(params, dtypes):
+  """(inputs, rebuild): differentiate rebuild(inputs) instead of cast_to(params, dtypes).
+
+  inputs holds, for each leaf with a dtype in `dtypes`, a -0.0 "delta" of that dtype (else
+  the param itself); rebuild(inputs) gives back the float32 masters themselves, each one's
+  cotangent routed to its delta in the delta's dtype. The model casts each master where it
+  uses it, as it does today, so values, losses and gradients are cast_to's bit for bit
+  (the cast's transpose is convert(ct_bf16, float32), routed back as ct_bf16).
+
+  Memory: with cast_to the whole tree's bf16 copy is the differentiated input, live from the
+  forward's first use to the backward's last (under full remat the recomputed forward reads
+  it again): 13.2 GiB at the 7B's peak. Here no copy outlives the layer that makes it, and
+  the remat'd layers save the masters' own buffers. A plain `p + delta` does not do it: it is
+  a new float32 value per param, which remat saves (session 30, NOTES_e2e)."""
+  inputs = jax.tree.map(lambda p, d: p if d is None else jnp.full(p.shape, -0.0, d), params,
+                        dtypes, is_leaf=lambda x: x is None)
+
+  def rebuild(inputs):
+    return jax.tree.map(lambda p, d, x: x if d is None else _master_with_cast_gradient(p, x),
+                        params, dtypes, inputs, is_leaf=lambda x: x is None)
+  return inputs, rebuild

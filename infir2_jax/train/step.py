@@ -1,6 +1,7 @@
 """The pure training and evaluation steps: (state, batch) -> (state, metrics)."""
 
 from collections.abc import Callable
+import os
 from typing import Any
 
 import flax.linen as nn
@@ -45,6 +46,24 @@ def split_microbatches(batch: Batch, num: int) -> Batch:
   return jax.tree.map(split, batch)
 
 
+# What the backward differentiates for the params the model only casts (train/grads.py):
+# "cast" their bf16 copies (the default, as every step so far was measured); "master" the
+# float32 masters with the gradient routed to bf16 (grads.masters_with_cast_gradients: the
+# same bits, no tree-wide bf16 copy live across the step; deviceless 7B candidate 54.8 GiB
+# live at the peak against 66.9, its time not yet measured). INFIR2_GRAD_INPUTS, for A/B runs.
+GRAD_INPUTS = os.environ.get("INFIR2_GRAD_INPUTS", "cast")
+GRAD_INPUTS_CHOICES = ("cast", "master")
+
+
+def _differentiable(params, dtypes):
+  """(inputs, rebuild) of the params to differentiate, per GRAD_INPUTS."""
+  if GRAD_INPUTS not in GRAD_INPUTS_CHOICES:
+    raise ValueError(f"INFIR2_GRAD_INPUTS={GRAD_INPUTS!r}: one of {GRAD_INPUTS_CHOICES}")
+  if GRAD_INPUTS == "master":
+    return grads_lib.masters_with_cast_gradients(params, dtypes)
+  return grads_lib.cast_to(params, dtypes), lambda inputs: inputs
+
+
 def _telemetry_grad_fn(model: nn.Module):
   """(params, sinks, batch) -> ((loss_sum, tokens), grads, fp8 stats): one fwd+bwd that also
   returns the FP8 numerics (forward stats sown, backward stats as the sinks' gradients)."""
@@ -56,10 +75,11 @@ def _telemetry_grad_fn(model: nn.Module):
     return loss_sum, (tokens, variables[telemetry.STATS])
 
   def grad_fn(params, sinks, batch):
-    params = grads_lib.cast_to(
+    inputs, rebuild = _differentiable(
         params, grads_lib.compute_dtypes(lambda p: loss_fn(p, sinks, batch), params))
     (loss_sum, (tokens, fwd_stats)), (grads, sink_grads) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(params, sinks, batch)
+        lambda x, s, b: loss_fn(rebuild(x), s, b), argnums=(0, 1), has_aux=True)(
+            inputs, sinks, batch)
     grads = jax.lax.optimization_barrier(grads)   # see compute_dtype_grad_fn
     return (loss_sum, tokens), grads, {"fwd": fwd_stats, "bwd": sink_grads}
   return grad_fn
@@ -74,11 +94,11 @@ def compute_dtype_grad_fn(model: nn.Module) -> Callable:
   the float32 copies are back.
   """
   loss_fn = lambda p, b: loss_sums(model, p, b)
-  value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
 
   def grad_fn(params, batch):
-    dtypes = grads_lib.compute_dtypes(loss_fn, params, batch)
-    sums, grads = value_and_grad(grads_lib.cast_to(params, dtypes), batch)
+    inputs, rebuild = _differentiable(params, grads_lib.compute_dtypes(loss_fn, params, batch))
+    sums, grads = jax.value_and_grad(lambda x, b: loss_fn(rebuild(x), b), has_aux=True)(
+        inputs, batch)
     return sums, jax.lax.optimization_barrier(grads)
   return grad_fn
 
