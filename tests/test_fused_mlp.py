@@ -12,6 +12,7 @@ from infir2_jax.model import ModelConfig, Qwen2
 from infir2_jax.precision import (
     PrecisionConfig, fused_mlp, make_dot_general, make_dot_general_factory, make_gated_mlp,
     swiglu)
+from tests import meshes
 
 M, D, F = 256, 256, 384
 
@@ -155,7 +156,6 @@ def test_fused_mlp_per_shard_equals_one_device():
   """fsdp 2 x tensor 2 on 4 CPU devices: the fused MLP runs inside shard_map (F split over
   tensor, down's partial sums added) and gives one device's loss and gradients (float32
   compute, tolerances as tests/test_sharding_equivalence.py's)."""
-  from infir2_jax import parallel
   # 256 of F per tensor shard: whole tiles
   cfg = dataclasses.replace(CFG, intermediate_size=512, dtype="float32")
   tokens = jax.random.randint(jax.random.key(2), (4, 128), 0, cfg.vocab_size)
@@ -163,9 +163,7 @@ def test_fused_mlp_per_shard_equals_one_device():
   model, loss = _model_loss(cfg, factory, tokens)
   params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
   want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params)
-  mesh_cfg = parallel.MeshConfig(1, 2, 2)
-  mesh = parallel.make_mesh(mesh_cfg, jax.devices()[:4])
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.logical_rules(mesh_cfg, cfg, mesh)):
+  with meshes.fsdp2_tensor2(cfg):
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params)
     got_loss, got_grads = jax.jit(jax.value_and_grad(loss))(params)
   assert "shard_map" in str(jaxpr)

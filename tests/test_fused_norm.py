@@ -32,6 +32,7 @@ from infir2_jax.precision.dot_general import GemmPlan, quantize_normed_rows, qua
 from infir2_jax.precision.kernels.quantize import quantize_normed_tiles_reference
 from infir2_jax.precision.normed import NormedInput, materialize, normed_vjp
 from infir2_jax.train import grads
+from tests import meshes
 
 D, F, EPS = 256, 512, 1e-6
 LEAD = (2, 128)   # M = 256 tokens
@@ -426,16 +427,13 @@ def test_fused_norm_per_shard_equals_one_device():
   product's shard_maps (h and inv split like the tokens, gamma whole) and give one device's
   loss and gradients (float32 compute, tolerances as tests/test_fused_mlp.py's per-shard
   test)."""
-  from infir2_jax import parallel
   cfg = dataclasses.replace(CFG, dtype="float32", num_layers=1)
   tokens = jax.random.randint(jax.random.key(2), (4, 128), 0, cfg.vocab_size)
   model = _model(cfg, fused_norm=True)
   loss = _loss(model, tokens)
   params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
   want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params)
-  mesh_cfg = parallel.MeshConfig(1, 2, 2)
-  mesh = parallel.make_mesh(mesh_cfg, jax.devices()[:4])
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.logical_rules(mesh_cfg, cfg, mesh)):
+  with meshes.fsdp2_tensor2(cfg):
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params)
     got_loss, got_grads = jax.jit(jax.value_and_grad(loss))(params)
   inputs = [[v.aval.shape for v in e.params["jaxpr"].invars] for e in jaxpr.jaxpr.eqns

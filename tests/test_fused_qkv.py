@@ -12,6 +12,7 @@ import pytest
 from infir2_jax.model import ModelConfig, Qwen2
 from infir2_jax.precision import PrecisionConfig, fused_qkv, make_dot_general, make_dot_general_factory
 from infir2_jax.precision.quantize import quantize_tensor
+from tests import meshes
 
 M, D, NQ, NK = 256, 256, 384, 128
 DIMS = (((1,), (0,)), ((), ()))
@@ -175,7 +176,6 @@ def test_fused_qkv_per_shard_equals_one_device(recipe, kv_heads):
   device concatenating its own q and k/v heads (one KV head: k and v replicated over
   tensor), and gives one device's loss and gradients (float32 compute). bf16's other
   projections stay with XLA's partitioner."""
-  from infir2_jax import parallel
   cfg = dataclasses.replace(CFG, num_kv_heads=kv_heads, dtype="float32")
   tokens = jax.random.randint(jax.random.key(2), (4, 128), 0, cfg.vocab_size)
   factory = make_dot_general_factory(PrecisionConfig(recipe=recipe, backend="xla"))
@@ -183,9 +183,7 @@ def test_fused_qkv_per_shard_equals_one_device(recipe, kv_heads):
   loss = _loss(model, tokens)
   params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
   want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params)
-  mesh_cfg = parallel.MeshConfig(1, 2, 2)
-  mesh = parallel.make_mesh(mesh_cfg, jax.devices()[:4])
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.logical_rules(mesh_cfg, cfg, mesh)):
+  with meshes.fsdp2_tensor2(cfg):
     forward = str(jax.make_jaxpr(loss)(params))
     got_loss, got_grads = jax.jit(jax.value_and_grad(loss))(params)
   # per layer: q/k/v, o and the MLP, each in its own shard_map (not XLA's partitioner)

@@ -22,6 +22,7 @@ import infir2_jax.precision.kernels as kernels
 from infir2_jax.model import ModelConfig, Qwen2
 from infir2_jax.precision import (
     PrecisionConfig, gemm, make_dot_general, make_dot_general_factory)
+from tests import meshes
 
 FUSED_BACKWARD = PrecisionConfig().fused_mlp_backward
 
@@ -160,7 +161,6 @@ def test_remat_with_fake_kernels_gives_the_same_gradients(fake_pallas):
 def test_per_shard_gemms_keep_the_policy(fake_pallas, scan_layers):
   """Under FSDP x tensor the FP8 GEMMs run inside shard_map (precision.per_shard); save_dots must
   still find their named outputs there: no GEMM recomputed."""
-  from infir2_jax import parallel
   factory = make_dot_general_factory(
       PrecisionConfig(recipe="infir2", backend="pallas", quantize_lm_head=True))
   cfg = dataclasses.replace(CFG, remat="save_dots", scan_layers=scan_layers, num_kv_heads=2)
@@ -168,9 +168,7 @@ def test_per_shard_gemms_keep_the_policy(fake_pallas, scan_layers):
   tokens = jnp.zeros((4, 128), jnp.int32)
   params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens)["params"]))
   loss = lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2)
-  mesh_cfg = parallel.MeshConfig(1, 2, 2)
-  mesh = parallel.make_mesh(mesh_cfg, jax.devices()[:4])
-  with jax.set_mesh(mesh), nn.logical_axis_rules(parallel.logical_rules(mesh_cfg, cfg, mesh)):
+  with meshes.fsdp2_tensor2(cfg):
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params, tokens).jaxpr
   counts = _count_primitives(jaxpr, collections.Counter())
   assert counts["shard_map"] > 0, "the projections did not run per shard"
