@@ -165,8 +165,8 @@ _master_with_cast_gradient.defvjp(_master_fwd, _master_bwd)
 def masters_with_cast_gradients(params, dtypes):
   """(inputs, rebuild): differentiate rebuild(inputs) instead of cast_to(params, dtypes).
 
-  inputs holds, for each leaf with a dtype in `dtypes`, a -0.0 "delta" of that dtype (else
-  the param itself); rebuild(inputs) gives back the float32 masters themselves, each one's
+  inputs holds, for each leaf with a dtype in `dtypes`, a zero "delta" of that dtype, whose
+  value nothing reads (else the param itself); rebuild(inputs) gives back the float32 masters themselves, each one's
   cotangent routed to its delta in the delta's dtype. The model casts each master where it
   uses it, as it does today, so values, losses and gradients are cast_to's bit for bit
   (the cast's transpose is convert(ct_bf16, float32), routed back as ct_bf16).
@@ -176,7 +176,7 @@ def masters_with_cast_gradients(params, dtypes):
   it again): 13.2 GiB at the 7B's peak. Here no copy outlives the layer that makes it, and
   the remat'd layers save the masters' own buffers. A plain `p + delta` does not do it: it is
   a new float32 value per param, which remat saves (session 30, NOTES_e2e)."""
-  inputs = jax.tree.map(lambda p, d: p if d is None else jnp.full(p.shape, -0.0, d), params,
+  inputs = jax.tree.map(lambda p, d: p if d is None else jnp.zeros(p.shape, d), params,
                         dtypes, is_leaf=lambda x: x is None)
 
   def rebuild(inputs):
