@@ -166,8 +166,8 @@ def masters_with_cast_gradients(params, dtypes):
   """(inputs, rebuild): differentiate rebuild(inputs) instead of cast_to(params, dtypes).
 
   inputs holds, for each leaf with a dtype in `dtypes`, a zero "delta" of that dtype, whose
-  value nothing reads (else the param itself); rebuild(inputs) gives back the float32 masters themselves, each one's
-  cotangent routed to its delta in the delta's dtype. The model casts each master where it
+  value nothing reads (else the param itself); rebuild(inputs) gives back the float32
+  masters themselves, each one's cotangent routed to its delta in the delta's dtype. The model casts each master where it
   uses it, as it does today, so values, losses and gradients are cast_to's bit for bit
   (the cast's transpose is convert(ct_bf16, float32), routed back as ct_bf16).
 
