@@ -167,9 +167,10 @@ def masters_with_cast_gradients(params, dtypes):
 
   inputs holds, for each leaf with a dtype in `dtypes`, a zero "delta" of that dtype, whose
   value nothing reads (else the param itself); rebuild(inputs) gives back the float32
-  masters themselves, each one's cotangent routed to its delta in the delta's dtype. The model casts each master where it
-  uses it, as it does today, so values, losses and gradients are cast_to's bit for bit
-  (the cast's transpose is convert(ct_bf16, float32), routed back as ct_bf16).
+  masters themselves, each one's cotangent routed to its delta in the delta's dtype. The
+  model casts each master where it uses it, as it does today, so values, losses and
+  gradients are cast_to's bit for bit (the cast's transpose is convert(ct_bf16, float32),
+  routed back as ct_bf16).
 
   Memory: with cast_to the whole tree's bf16 copy is the differentiated input, live from the
   forward's first use to the backward's last (under full remat the recomputed forward reads
