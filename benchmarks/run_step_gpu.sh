@@ -59,7 +59,8 @@
 #        7bmaster (session 30: the 7B candidate differentiating the float32 masters beside
 #        the bf16 copies: INFIR2_GRAD_INPUTS=master's time and peak),
 #        normedpair (session 30: the normed kernel's GPU check and time alone, then infir2
-#        without and with precision.fused_norm, profiled),
+#        without and with precision.fused_norm, profiled), normedcheck (the same without the
+#        kernel's time alone),
 #        7bcand (session 29: the <= 78 GiB 7B candidate alone, for an 80 GB H100, then its
 #        buffers from the autotuned compile),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
@@ -342,6 +343,12 @@ elif [[ $STAGE == normedpair ]]; then
     | grep -vE "^W0000|^I0000|^$" | tail -3
   # profiled: the ~1 ms the kernel saves is under one pair's wall-time noise, not under the
   # profile's CUPTI sums by kind ("other" loses the norm's output, quantization gains it)
+  step_1p5b infir2,infir2~precision.fused_norm=True 30 --profile_dir=/tmp/prof
+elif [[ $STAGE == normedcheck ]]; then
+  # Session 31 (a window of ~6 minutes): normedpair without the kernel's time alone (measured in
+  # session 30): the fixed kernel's GPU check, then infir2 without and with fused_norm, profiled.
+  timeout 80 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider \
+    -k "quantize_normed" 2>&1 | grep -E "passed|failed|differs" | tail -6 | tee "$OUT/gpu_tests.log"
   step_1p5b infir2,infir2~precision.fused_norm=True 30 --profile_dir=/tmp/prof
 elif [[ $STAGE == 7bfast ]]; then
   # Issues 33/35's 7B speed target (the fastest infir2 that fits <= 0.72x the fastest bf16
