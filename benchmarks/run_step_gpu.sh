@@ -60,7 +60,8 @@
 #        the bf16 copies: INFIR2_GRAD_INPUTS=master's time and peak),
 #        normedpair (session 30: the normed kernel's GPU check and time alone, then infir2
 #        without and with precision.fused_norm, profiled), normedcheck (the same without the
-#        kernel's time alone),
+#        kernel's time alone), pair3 (bf16, infir2, then fused_norm and the normed check as
+#        time allows),
 #        7bcand (session 29: the <= 78 GiB 7B candidate alone, for an 80 GB H100, then its
 #        buffers from the autotuned compile),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
@@ -350,6 +351,17 @@ elif [[ $STAGE == normedcheck ]]; then
   timeout 80 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider \
     -k "quantize_normed" 2>&1 | grep -E "passed|failed|differs" | tail -6 | tee "$OUT/gpu_tests.log"
   step_1p5b infir2,infir2~precision.fused_norm=True 30 --profile_dir=/tmp/prof
+elif [[ $STAGE == pair3 ]]; then
+  # Session 31 (a window of ~6 minutes, on whichever card comes): bf16 and infir2 (issues
+  # 33/34's ratio and MFU), infir2 with fused_norm if the deadline allows, then the fixed
+  # normed kernel's GPU check with the seconds left before 330.
+  step_1p5b bf16,infir2,infir2~precision.fused_norm=True 30
+  LEFT=$((330 - SECONDS))
+  if (( LEFT > 45 )); then
+    timeout $LEFT python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider \
+      -k "quantize_normed" 2>&1 | grep -E "passed|failed|differs" | tail -6 \
+      | tee "$OUT/gpu_tests.log"
+  fi
 elif [[ $STAGE == 7bfast ]]; then
   # Issues 33/35's 7B speed target (the fastest infir2 that fits <= 0.72x the fastest bf16
   # that fits), both without the recomputed forward, unrolled, FP8 moments (the fused step)
