@@ -330,9 +330,9 @@ def main(argv):
     except Exception as e:
       result[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
       print(name, "FAILED", result[name], flush=True)
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(result, f, indent=1)
+    if args.out:  # after every stage: a run cut short keeps what it measured
+      with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
