@@ -112,3 +112,22 @@ def test_saving_attention_changes_no_gradient(fake_cudnn):
   for remat in ("save_dots", "full"):
     for a, b in zip(jax.tree.leaves(grads["none"]), jax.tree.leaves(grads[remat])):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_backward_recomputes_no_rope(fake_cudnn, scan_layers):
+  """RoPE's sin and cos are made once per step, not in each remat'd layer's backward, and the
+  save-dots policies keep the attention's inputs (q, k after RoPE, v): their backward pass
+  rotates nothing again. Counted in the gradient's jaxpr: rotate-half is a concatenate."""
+  tokens = jnp.zeros((2, 128), jnp.int32)
+  counts = {}
+  for remat in ("none", "save_dots", "save_dots_fp8", "full"):
+    model = Qwen2(dataclasses.replace(CFG, remat=remat, scan_layers=scan_layers))
+    params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens)["params"]))
+    loss = lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2)
+    c = _count_primitives(jax.make_jaxpr(jax.grad(loss))(params, tokens).jaxpr,
+                          collections.Counter())
+    assert c["sin"] == c["cos"] == 1, (remat, c["sin"], c["cos"])
+    counts[remat] = c["concatenate"]
+  assert counts["save_dots"] == counts["save_dots_fp8"] == counts["none"], counts
+  assert counts["full"] > counts["none"], counts   # full remat recomputes RoPE, as it should

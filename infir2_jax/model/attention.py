@@ -20,13 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from infir2_jax.model import packed_attention
 from infir2_jax.model.config import ModelConfig
+from infir2_jax.model.remat import ATTENTION_INPUTS
 from infir2_jax.model.axes import TOKEN_AXES, compute_axes
 from infir2_jax.model.layers import (
     DotGeneralFactory, Linear, LinearParams, apply_rope, default_dot_general_factory,
-    module_path, rope_cos_sin)
+    module_path)
 from infir2_jax.precision.gemm import target_platform
 from infir2_jax.precision.normed import NormedInput, materialize
 from infir2_jax.precision.per_shard import QkvAxes
@@ -144,8 +146,9 @@ class Attention(nn.Module):
     return getattr(self._fused_op(ndim), "accepts_normed", False)
 
   @nn.compact
-  def __call__(self, x_BxLxD: "jax.Array | NormedInput", positions_BxL, segment_ids_BxL,
+  def __call__(self, x_BxLxD: "jax.Array | NormedInput", rope_BxLxDh, segment_ids_BxL,
                decode: bool = False):
+    """rope_BxLxDh: (cos, sin) [B, L, Dh] of the tokens' positions (layers.rope_cos_sin)."""
     cfg = self.config
     if isinstance(x_BxLxD, NormedInput) and not self.takes_normed(x_BxLxD.ndim):
       x_BxLxD = materialize(x_BxLxD)
@@ -157,9 +160,12 @@ class Attention(nn.Module):
     v_BxLxKxDh = v.reshape(batch, length, kv_heads, dh)
     q_BxLxHxDh = nn.with_logical_constraint(q_BxLxHxDh, ("batch", "length", "act_heads", None))
 
-    cos, sin = rope_cos_sin(positions_BxL, dh, cfg.rope_theta)
+    cos, sin = rope_BxLxDh
     q_BxLxHxDh = apply_rope(q_BxLxHxDh, cos, sin)
     k_BxLxKxDh = apply_rope(k_BxLxKxDh, cos, sin)
+    # the save-dots remat policies keep these rather than recompute RoPE (model/remat.py)
+    q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh = checkpoint_name(
+        (q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh), ATTENTION_INPUTS)
 
     cached = self._append_to_cache(k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL) if decode else None
     if cached is not None:
