@@ -61,7 +61,8 @@
 #        normedpair (session 30: the normed kernel's GPU check and time alone, then infir2
 #        without and with precision.fused_norm, profiled), normedcheck (the same without the
 #        kernel's time alone), pair3 (bf16, infir2, then fused_norm and the normed check as
-#        time allows),
+#        time allows), rope (the normed check, bf16, infir2, infir2 with INFIR2_ROPE=per_layer
+#        and with fused_norm: session 31's A/B),
 #        7bcand (session 29: the <= 78 GiB 7B candidate alone, for an 80 GB H100, then its
 #        buffers from the autotuned compile),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
@@ -362,6 +363,14 @@ elif [[ $STAGE == pair3 ]]; then
       -k "quantize_normed" 2>&1 | grep -E "passed|failed|differs" | tail -6 \
       | tee "$OUT/gpu_tests.log"
   fi
+elif [[ $STAGE == rope ]]; then
+  # Session 31: the fixed normed kernel's GPU check, then bf16 and infir2 (issues 33/34's
+  # ratio and MFU), infir2 with RoPE's tables made in every layer as before (INFIR2_ROPE=
+  # per_layer: the A/B of session 31's change) and infir2 with fused_norm, as the deadline
+  # allows (~110 s a variant).
+  timeout 80 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider \
+    -k "quantize_normed" 2>&1 | grep -E "passed|failed|differs" | tail -6 | tee "$OUT/gpu_tests.log"
+  step_1p5b bf16,infir2,infir2~INFIR2_ROPE=per_layer,infir2~precision.fused_norm=True 40
 elif [[ $STAGE == 7bfast ]]; then
   # Issues 33/35's 7B speed target (the fastest infir2 that fits <= 0.72x the fastest bf16
   # that fits), both without the recomputed forward, unrolled, FP8 moments (the fused step)

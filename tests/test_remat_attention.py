@@ -114,20 +114,43 @@ def test_saving_attention_changes_no_gradient(fake_cudnn):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _rope_counts(remat: str, scan_layers: bool) -> collections.Counter:
+  model = Qwen2(dataclasses.replace(CFG, remat=remat, scan_layers=scan_layers))
+  tokens = jnp.zeros((2, 128), jnp.int32)
+  params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens)["params"]))
+  loss = lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2)
+  return _count_primitives(jax.make_jaxpr(jax.grad(loss))(params, tokens).jaxpr,
+                           collections.Counter())
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_backward_recomputes_no_rope(fake_cudnn, scan_layers):
   """RoPE's sin and cos are made once per step, not in each remat'd layer's backward, and the
   save-dots policies keep the attention's inputs (q, k after RoPE, v): their backward pass
   rotates nothing again. Counted in the gradient's jaxpr: rotate-half is a concatenate."""
-  tokens = jnp.zeros((2, 128), jnp.int32)
   counts = {}
   for remat in ("none", "save_dots", "save_dots_fp8", "full"):
-    model = Qwen2(dataclasses.replace(CFG, remat=remat, scan_layers=scan_layers))
-    params = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens)["params"]))
-    loss = lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2)
-    c = _count_primitives(jax.make_jaxpr(jax.grad(loss))(params, tokens).jaxpr,
-                          collections.Counter())
+    c = _rope_counts(remat, scan_layers)
     assert c["sin"] == c["cos"] == 1, (remat, c["sin"], c["cos"])
     counts[remat] = c["concatenate"]
   assert counts["save_dots"] == counts["save_dots_fp8"] == counts["none"], counts
   assert counts["full"] > counts["none"], counts   # full remat recomputes RoPE, as it should
+
+
+def test_rope_per_layer_is_the_earlier_form(fake_cudnn, monkeypatch):
+  """INFIR2_ROPE=per_layer (A/B runs): each layer makes its tables, and its remat'd backward
+  makes them and rotates q and k again; the gradients are those of the default form."""
+  from infir2_jax.model import layers
+  monkeypatch.setattr(layers, "ROPE", "per_layer")
+  c = _rope_counts("save_dots", scan_layers=False)
+  assert c["sin"] == c["cos"] == 2 * CFG.num_layers, (c["sin"], c["cos"])
+  grad, params, tokens = _grad("save_dots")
+  per_layer = jax.jit(grad)(params, tokens)
+  monkeypatch.setattr(layers, "ROPE", "once")
+  grad, params, tokens = _grad("save_dots")   # traced anew (jit caches by function)
+  once = jax.jit(grad)(params, tokens)
+  for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(per_layer)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+  monkeypatch.setattr(layers, "ROPE", "sometimes")
+  with pytest.raises(ValueError, match="INFIR2_ROPE"):
+    _rope_counts("save_dots", scan_layers=False)

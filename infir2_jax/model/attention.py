@@ -28,7 +28,7 @@ from infir2_jax.model.remat import ATTENTION_INPUTS
 from infir2_jax.model.axes import TOKEN_AXES, compute_axes
 from infir2_jax.model.layers import (
     DotGeneralFactory, Linear, LinearParams, apply_rope, default_dot_general_factory,
-    module_path)
+    module_path, rope_cos_sin)
 from infir2_jax.precision.gemm import target_platform
 from infir2_jax.precision.normed import NormedInput, materialize
 from infir2_jax.precision.per_shard import QkvAxes
@@ -148,7 +148,8 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD: "jax.Array | NormedInput", rope_BxLxDh, segment_ids_BxL,
                decode: bool = False):
-    """rope_BxLxDh: (cos, sin) [B, L, Dh] of the tokens' positions (layers.rope_cos_sin)."""
+    """rope_BxLxDh: (cos, sin) [B, L, Dh] of the tokens' positions (layers.rope_cos_sin), or
+    the positions [B, L] themselves (INFIR2_ROPE=per_layer: the tables made here)."""
     cfg = self.config
     if isinstance(x_BxLxD, NormedInput) and not self.takes_normed(x_BxLxD.ndim):
       x_BxLxD = materialize(x_BxLxD)
@@ -160,12 +161,13 @@ class Attention(nn.Module):
     v_BxLxKxDh = v.reshape(batch, length, kv_heads, dh)
     q_BxLxHxDh = nn.with_logical_constraint(q_BxLxHxDh, ("batch", "length", "act_heads", None))
 
-    cos, sin = rope_BxLxDh
+    shared_tables = isinstance(rope_BxLxDh, tuple)
+    cos, sin = rope_BxLxDh if shared_tables else rope_cos_sin(rope_BxLxDh, dh, cfg.rope_theta)
     q_BxLxHxDh = apply_rope(q_BxLxHxDh, cos, sin)
     k_BxLxKxDh = apply_rope(k_BxLxKxDh, cos, sin)
-    # the save-dots remat policies keep these rather than recompute RoPE (model/remat.py)
-    q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh = checkpoint_name(
-        (q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh), ATTENTION_INPUTS)
+    if shared_tables:  # the save-dots remat policies keep these rather than redo RoPE
+      q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh = checkpoint_name(
+          (q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh), ATTENTION_INPUTS)
 
     cached = self._append_to_cache(k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL) if decode else None
     if cached is not None:

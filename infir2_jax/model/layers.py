@@ -217,6 +217,14 @@ class RMSNorm(nn.Module):
     return scale.astype(self.dtype) * y.astype(self.dtype)
 
 
+# Where RoPE's cos/sin tables are made: "once" (default) per model call, shared by every
+# layer, with the save-dots remat policies keeping the attention's inputs; "per_layer" is
+# the form before session 31 (each layer makes its own, and a remat'd layer's backward makes
+# them and applies RoPE again). INFIR2_ROPE, for A/B runs.
+ROPE = os.environ.get("INFIR2_ROPE", "once")
+ROPES = ("once", "per_layer")
+
+
 def rope_cos_sin(positions_BxL: jax.Array, head_dim: int, theta: float):
   """cos/sin tables [B, L, Dh] in float32, HF's layout (the half-frequencies repeated)."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from infir2_jax.model import layers
 from infir2_jax.model.attention import Attention
 from infir2_jax.model.axes import compute_axes
 from infir2_jax.model.config import ModelConfig
@@ -23,7 +24,8 @@ class DecoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x_BxLxD, rope_BxLxDh, segment_ids_BxL, decode: bool = False):
     """rope_BxLxDh: the (cos, sin) tables of the tokens' positions (layers.rope_cos_sin),
-    made once per model call and shared by every layer."""
+    made once per model call and shared by every layer (the positions [B, L] under
+    INFIR2_ROPE=per_layer)."""
     cfg = self.config
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name=name)
@@ -73,8 +75,12 @@ class Qwen2(nn.Module):
     # Constants (stop_gradient: a remat'd layer would otherwise differentiate its inputs cos
     # and sin too), materialized once (the barrier: XLA fusing sin or cos into a consumer
     # can round them differently, so every remat policy reads the same bits).
-    rope_BxLxDh = jax.lax.optimization_barrier(jax.lax.stop_gradient(
-        rope_cos_sin(positions_BxL, cfg.head_size, cfg.rope_theta)))
+    if layers.ROPE not in layers.ROPES:
+      raise ValueError(f"INFIR2_ROPE={layers.ROPE!r}: one of {layers.ROPES}")
+    rope_BxLxDh = positions_BxL   # INFIR2_ROPE=per_layer, the A/B form: each layer's own
+    if layers.ROPE == "once":
+      rope_BxLxDh = jax.lax.optimization_barrier(jax.lax.stop_gradient(
+          rope_cos_sin(positions_BxL, cfg.head_size, cfg.rope_theta)))
 
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
                      embedding_init=nn.with_logical_partitioning(
