@@ -107,6 +107,20 @@ def parse_memory_usage(text: str, top: int = 12) -> dict:
   return {"total_bytes": total, "slices": slices[:top]}
 
 
+_KERNEL = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = \S+ (?:fusion|custom-call|copy)\(")
+
+
+def count_kernels(hlo_text: str) -> dict:
+  """The compiled step's kernels (fusions, custom calls, copies of its entry computation),
+  and of them the fusions that recompute a remat'd layer's forward in the backward pass."""
+  entry = hlo_text[hlo_text.index("\nENTRY "):]
+  entry = entry[:entry.index("\n}")]
+  kernels = [l for l in entry.splitlines() if _KERNEL.match(l)]
+  return {"kernels": len(kernels),
+          "recomputed_fusions": sum(" fusion(" in l and "rematted_computation" in l
+                                    for l in kernels)}
+
+
 def _child(config: str, label: str, seq_len: int, batch_size: int, attached: bool) -> dict:
   """One compile with the dump on (runs in its own process): deviceless, or autotuned on
   the attached GPU."""
@@ -123,6 +137,10 @@ def _child(config: str, label: str, seq_len: int, batch_size: int, attached: boo
     raise SystemExit(f"no train-step live-range file in {dump}")
   with open(max(files, key=os.path.getsize)) as f:
     result["peak"] = parse_live_range(f.read())
+  hlos = glob.glob(os.path.join(dump, "*jit_train_step*after_optimizations.txt"))
+  if hlos:
+    with open(max(hlos, key=os.path.getsize)) as f:
+      result["kernel_counts"] = count_kernels(f.read())
   reports = glob.glob(os.path.join(
       dump, "*jit_train_step*after_optimizations-memory-usage-report.txt"))
   if reports:
@@ -172,6 +190,7 @@ def main(argv):
       r = json.loads(lines[-1][len("RESULT "):])
       out["rows"][label] = {"memory_analysis": r["memory_analysis"], "peak": r["peak"],
                             "allocation": r.get("allocation"),
+                            "kernel_counts": r.get("kernel_counts"),
                             "compile_s": r["compile_s"], "how": r["how"]}
       gib = lambda b: b / 2**30
       mem = r["memory_analysis"]
@@ -182,6 +201,8 @@ def main(argv):
             f"{gib(mem['temp_size_in_bytes']):.1f}); live ranges at the peak "
             f"{gib(r['peak']['peak_bytes']):.1f} GiB at instruction "
             f"{r['peak']['peak_instruction']}, by owner:", flush=True)
+      if r.get("kernel_counts"):
+        print(f"  kernels: {r['kernel_counts']}", flush=True)
       for name, size in r["peak"]["by_owner"].items():
         print(f"    {gib(size):7.2f} GiB  {name}", flush=True)
       if r.get("allocation"):

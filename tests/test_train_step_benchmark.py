@@ -141,6 +141,29 @@ def test_peak_buffers_reads_the_allocations_slices():
     peak_buffers.parse_memory_usage("Memory Space: default\n")
 
 
+OPTIMIZED_HLO = """\
+%fused_add (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %a = f32[4]{0} add(%p, %p)
+}
+
+ENTRY %main.1 (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %loop_add_fusion.1 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_add, metadata={op_name="jit(train_step)/jvp(Qwen2)/layers_0/add"}
+  %loop_add_fusion.2 = f32[4]{0} fusion(%loop_add_fusion.1), kind=kLoop, calls=%fused_add, metadata={op_name="jit(train_step)/transpose(jvp(Qwen2))/jvp(Qwen2)/checkpoint/rematted_computation/layers_0/add"}
+  %copy.3 = f32[4]{0} copy(%loop_add_fusion.2)
+  %custom-call.4 = f32[4]{0} custom-call(%copy.3), custom_call_target="mosaic_gpu_v2", metadata={op_name="rematted_computation/kernel"}
+  %bitcast.5 = f32[4]{0} bitcast(%custom-call.4)
+  ROOT %loop_add_fusion.6 = f32[4]{0} fusion(%bitcast.5), kind=kLoop, calls=%fused_add
+}
+"""
+
+
+def test_peak_buffers_counts_the_kernels_and_the_recomputed_fusions():
+  import peak_buffers  # benchmarks/
+  assert peak_buffers.count_kernels(OPTIMIZED_HLO) == {"kernels": 5, "recomputed_fusions": 1}
+
+
 def test_peak_buffers_names_unrolled_layers_activations():
   import peak_buffers
   assert peak_buffers.owner(
