@@ -110,15 +110,25 @@ def parse_memory_usage(text: str, top: int = 12) -> dict:
 _KERNEL = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = \S+ (?:fusion|custom-call|copy)\(")
 
 
+_BF16_ADD = re.compile(r"^%([\w.\-]+) \([\w.]+: bf16\[\], [\w.]+: bf16\[\]\) -> bf16\[\] \{",
+                       re.M)
+_REDUCE = re.compile(r"= bf16\[[\d,]*\]\S* reduce\(.*to_apply=%([\w.\-]+)")
+
+
 def count_kernels(hlo_text: str) -> dict:
   """The compiled step's kernels (fusions, custom calls, copies of its entry computation),
-  and of them the fusions that recompute a remat'd layer's forward in the backward pass."""
+  of them the fusions that recompute a remat'd layer's forward in the backward pass, and the
+  reductions anywhere in the program that add in bf16 (XLA:GPU rounds every partial sum:
+  precision/cotangents.py)."""
   entry = hlo_text[hlo_text.index("\nENTRY "):]
   entry = entry[:entry.index("\n}")]
   kernels = [l for l in entry.splitlines() if _KERNEL.match(l)]
+  bf16_adds = set(_BF16_ADD.findall(hlo_text))
   return {"kernels": len(kernels),
           "recomputed_fusions": sum(" fusion(" in l and "rematted_computation" in l
-                                    for l in kernels)}
+                                    for l in kernels),
+          "bf16_reductions": sum(m is not None and m.group(1) in bf16_adds
+                                 for m in map(_REDUCE.search, hlo_text.splitlines()))}
 
 
 def _child(config: str, label: str, seq_len: int, batch_size: int, attached: bool) -> dict:

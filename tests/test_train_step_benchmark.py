@@ -147,6 +147,26 @@ OPTIMIZED_HLO = """\
   ROOT %a = f32[4]{0} add(%p, %p)
 }
 
+%region_0.1 (a.1: bf16[], b.1: bf16[]) -> bf16[] {
+  ROOT %add.1 = bf16[] add(%a.1, %b.1)
+}
+
+%region_1.2 (a.2: f32[], b.2: f32[]) -> f32[] {
+  ROOT %add.2 = f32[] add(%a.2, %b.2)
+}
+
+%fused_reduce (p.1: bf16[16,4]) -> bf16[4] {
+  %p.1 = bf16[16,4]{1,0} parameter(0)
+  %c.1 = bf16[] constant(0)
+  ROOT %reduce.1 = bf16[4]{0} reduce(%p.1, %c.1), dimensions={0}, to_apply=%region_0.1
+}
+
+%fused_reduce.2 (p.2: f32[16,4]) -> f32[4] {
+  %p.2 = f32[16,4]{1,0} parameter(0)
+  %c.2 = f32[] constant(0)
+  ROOT %reduce.2 = f32[4]{0} reduce(%p.2, %c.2), dimensions={0}, to_apply=%region_1.2
+}
+
 ENTRY %main.1 (x: f32[4]) -> f32[4] {
   %x = f32[4]{0} parameter(0)
   %loop_add_fusion.1 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_add, metadata={op_name="jit(train_step)/jvp(Qwen2)/layers_0/add"}
@@ -161,7 +181,8 @@ ENTRY %main.1 (x: f32[4]) -> f32[4] {
 
 def test_peak_buffers_counts_the_kernels_and_the_recomputed_fusions():
   import peak_buffers  # benchmarks/
-  assert peak_buffers.count_kernels(OPTIMIZED_HLO) == {"kernels": 5, "recomputed_fusions": 1}
+  assert peak_buffers.count_kernels(OPTIMIZED_HLO) == {
+      "kernels": 5, "recomputed_fusions": 1, "bf16_reductions": 1}
 
 
 def test_peak_buffers_names_unrolled_layers_activations():

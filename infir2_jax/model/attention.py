@@ -29,6 +29,7 @@ from infir2_jax.model.axes import TOKEN_AXES, compute_axes
 from infir2_jax.model.layers import (
     DotGeneralFactory, Linear, LinearParams, apply_rope, default_dot_general_factory,
     module_path, rope_cos_sin)
+from infir2_jax.precision.cotangents import broadcast_like
 from infir2_jax.precision.gemm import target_platform
 from infir2_jax.precision.normed import NormedInput, materialize
 from infir2_jax.precision.per_shard import QkvAxes
@@ -198,7 +199,7 @@ class Attention(nn.Module):
               for name, n, axes in specs]
     outs = fused(x_BxLxD if normed else x_BxLxD.astype(dtype),
                  *(kernel for kernel, _ in params))
-    return tuple(y if bias is None else y + bias.astype(y.dtype)
+    return tuple(y if bias is None else y + broadcast_like(bias, y)
                  for y, (_, bias) in zip(outs, params))
 
   def _train_attention(self, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL):

@@ -16,7 +16,7 @@ from jax import lax
 
 from infir2_jax.model.axes import TOKEN_AXES, compute_axes
 from infir2_jax.precision import swiglu
-from infir2_jax.precision.cotangents import cotangent_is_buffer
+from infir2_jax.precision.cotangents import broadcast_like, cotangent_is_buffer
 from infir2_jax.precision.normed import NormedInput, materialize
 from infir2_jax.precision.per_shard import MlpAxes, ProjectionAxes
 
@@ -89,8 +89,8 @@ class Linear(nn.Module):
     dot_general = self.dot_general_factory(module_path(self), axes)
     y = dot_general(x.astype(self.dtype), kernel, dense_dimension_numbers(x), precision=None,
                     preferred_element_type=None)
-    if self.use_bias:
-      y = y + _bias(self).astype(y.dtype)
+    if self.use_bias:   # the bias's gradient summed in float32 (precision/cotangents.py)
+      y = y + broadcast_like(_bias(self), y)
     return y
 
 
@@ -213,8 +213,8 @@ class RMSNorm(nn.Module):
         raise ValueError(f"RMSNorm(deferred=True) takes x in its dtype {jnp.dtype(self.dtype)}, "
                          f"got {x.dtype}")
       return NormedInput(x32, inv, scale, jnp.dtype(self.dtype))
-    y = x32 * inv
-    return scale.astype(self.dtype) * y.astype(self.dtype)
+    y = (x32 * inv).astype(self.dtype)
+    return broadcast_like(scale, y) * y   # its gradient summed in float32 (cotangents.py)
 
 
 # Where RoPE's cos/sin tables are made: "once" (default) per model call, shared by every

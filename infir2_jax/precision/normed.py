@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from infir2_jax.precision.cotangents import broadcast_like
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,8 @@ class NormedInput:
 
 def materialize(n: NormedInput) -> jax.Array:
   """y = gamma * bf16(h * inv) in n.dtype, as RMSNorm computes it (the unfused path)."""
-  return n.gamma.astype(n.dtype) * (n.h * n.inv).astype(n.dtype)
+  y = (n.h * n.inv).astype(n.dtype)
+  return broadcast_like(n.gamma, y) * y   # dgamma summed in float32 (cotangents.py)
 
 
 def stream(n: NormedInput) -> jax.Array:
