@@ -24,11 +24,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from infir2_jax.model import packed_attention
 from infir2_jax.model.config import ModelConfig
-from infir2_jax.model.remat import ATTENTION_INPUTS
 from infir2_jax.model.axes import TOKEN_AXES, compute_axes
 from infir2_jax.model.layers import (
     DotGeneralFactory, Linear, LinearParams, apply_rope, default_dot_general_factory,
     module_path, rope_cos_sin)
+from infir2_jax.model.remat import ATTENTION_INPUTS
 from infir2_jax.precision.cotangents import broadcast_like
 from infir2_jax.precision.gemm import target_platform
 from infir2_jax.precision.normed import NormedInput, materialize
