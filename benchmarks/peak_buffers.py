@@ -108,8 +108,6 @@ def parse_memory_usage(text: str, top: int = 12) -> dict:
 
 
 _KERNEL = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = \S+ (?:fusion|custom-call|copy)\(")
-
-
 _BF16_ADD = re.compile(r"^%([\w.\-]+) \([\w.]+: bf16\[\], [\w.]+: bf16\[\]\) -> bf16\[\] \{",
                        re.M)
 _REDUCE = re.compile(r"= bf16\[[\d,]*\]\S* reduce\(.*to_apply=%([\w.\-]+)")

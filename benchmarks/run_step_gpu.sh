@@ -59,10 +59,8 @@
 #        7bmaster (session 30: the 7B candidate differentiating the float32 masters beside
 #        the bf16 copies: INFIR2_GRAD_INPUTS=master's time and peak),
 #        normedpair (session 30: the normed kernel's GPU check and time alone, then infir2
-#        without and with precision.fused_norm, profiled), normedcheck (the same without the
-#        kernel's time alone), pair3 (bf16, infir2, then fused_norm and the normed check as
-#        time allows), rope (the normed check, bf16, infir2, infir2 with INFIR2_ROPE=per_layer
-#        and with fused_norm: session 31's A/B),
+#        without and with precision.fused_norm, profiled), rope (the normed check, bf16,
+#        infir2, infir2 with INFIR2_ROPE=per_layer and with fused_norm: session 31's A/B),
 #        7bcand (session 29: the <= 78 GiB 7B candidate alone, for an 80 GB H100, then its
 #        buffers from the autotuned compile),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
@@ -86,6 +84,11 @@ step_1p5b() {
     --seq_lens=8192 "${COMMON[@]}" --override=steps=26 --steps=20 --variant_timeout_s=220 \
     --deadline_s="$DEADLINE" "$@" --out="$OUT/train_step_1p5b_8k.json" 2>&1 \
     | grep -vE "onstant.folding|slow_operation|^$" | tail -"$lines"
+}
+# The RMSNorm -> quantize kernel's GPU test (session 30's rounding fix), ~60 s.
+normed_gpu_check() {
+  timeout 80 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider \
+    -k "quantize_normed" 2>&1 | grep -E "passed|failed|differs" | tail -6 | tee "$OUT/gpu_tests.log"
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv > "$OUT/env.txt"
 for d in .stage_?; do  # a part of the study's GGUF, for its slice that follows at once
@@ -339,37 +342,18 @@ elif [[ $STAGE == 7bmaster ]]; then
 elif [[ $STAGE == normedpair ]]; then
   # Session 30: the normed stage without its bf16 row, for a short GPU window: the RMSNorm ->
   # quantize kernel's GPU check and its time alone, then infir2 without and with fused_norm.
-  timeout 80 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider \
-    -k "quantize_normed" 2>&1 | grep -E "passed|failed|differs" | tail -6 | tee "$OUT/gpu_tests.log"
+  normed_gpu_check
   timeout 100 python3 benchmarks/normed_quantize.py --out "$OUT/normed_quantize.json" 2>&1 \
     | grep -vE "^W0000|^I0000|^$" | tail -3
   # profiled: the ~1 ms the kernel saves is under one pair's wall-time noise, not under the
   # profile's CUPTI sums by kind ("other" loses the norm's output, quantization gains it)
   step_1p5b infir2,infir2~precision.fused_norm=True 30 --profile_dir=/tmp/prof
-elif [[ $STAGE == normedcheck ]]; then
-  # Session 31 (a window of ~6 minutes): normedpair without the kernel's time alone (measured in
-  # session 30): the fixed kernel's GPU check, then infir2 without and with fused_norm, profiled.
-  timeout 80 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider \
-    -k "quantize_normed" 2>&1 | grep -E "passed|failed|differs" | tail -6 | tee "$OUT/gpu_tests.log"
-  step_1p5b infir2,infir2~precision.fused_norm=True 30 --profile_dir=/tmp/prof
-elif [[ $STAGE == pair3 ]]; then
-  # Session 31 (a window of ~6 minutes, on whichever card comes): bf16 and infir2 (issues
-  # 33/34's ratio and MFU), infir2 with fused_norm if the deadline allows, then the fixed
-  # normed kernel's GPU check with the seconds left before 330.
-  step_1p5b bf16,infir2,infir2~precision.fused_norm=True 30
-  LEFT=$((330 - SECONDS))
-  if (( LEFT > 45 )); then
-    timeout $LEFT python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider \
-      -k "quantize_normed" 2>&1 | grep -E "passed|failed|differs" | tail -6 \
-      | tee "$OUT/gpu_tests.log"
-  fi
 elif [[ $STAGE == rope ]]; then
   # Session 31: the fixed normed kernel's GPU check, then bf16 and infir2 (issues 33/34's
   # ratio and MFU), infir2 with RoPE's tables made in every layer as before (INFIR2_ROPE=
   # per_layer: the A/B of session 31's change) and infir2 with fused_norm, as the deadline
   # allows (~110 s a variant).
-  timeout 80 python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -p no:cacheprovider \
-    -k "quantize_normed" 2>&1 | grep -E "passed|failed|differs" | tail -6 | tee "$OUT/gpu_tests.log"
+  normed_gpu_check
   step_1p5b bf16,infir2,infir2~INFIR2_ROPE=per_layer,infir2~precision.fused_norm=True 40
 elif [[ $STAGE == 7bfast ]]; then
   # Issues 33/35's 7B speed target (the fastest infir2 that fits <= 0.72x the fastest bf16
