@@ -109,3 +109,29 @@ def test_profile_other_groups_kernels_by_what_they_write():
                          "f32[2,8192,151936]{2,1,0}") == "loss and logits"
   assert module.group_of("input_reduce_fusion_3", module.op_names(HLO)["input_reduce_fusion_3"],
                          "f32[1024]{0}") == "norms"
+
+
+def test_hlo_bytes_counts_one_element_of_a_tuple_operand():
+  """'%t#1' reads element 1 of the tuple %t, not the whole tuple (XLA's dump names an
+  element of an optimization barrier's or a while's result this way)."""
+  from infir2_jax.bench.hlo_bytes import instruction_bytes, tuple_element
+  assert tuple_element("(f32[2]{0}, (bf16[3]{0}, s32[]), bf16[4,5]{1,0})", 1) == (
+      "(bf16[3]{0}, s32[])")
+  assert tuple_element("(f32[2]{0}, (bf16[3]{0}, s32[]), bf16[4,5]{1,0})", 2) == (
+      "bf16[4,5]{1,0}")
+  hlo = """HloModule m
+
+%fused_reduce (p0: bf16[1536,8960]) -> f32[1536] {
+  %p0 = bf16[1536,8960]{1,0} parameter(0)
+  ROOT %r = f32[1536]{0} reduce(%p0), dimensions={1}
+}
+
+ENTRY %main (a: bf16[1536,8960], b: f32[151936,1536]) -> f32[1536] {
+  %a = bf16[1536,8960]{1,0} parameter(0)
+  %b = f32[151936,1536]{1,0} parameter(1)
+  %opt = (f32[151936,1536]{1,0}, bf16[1536,8960]{1,0}) opt-barrier(%b, %a)
+  ROOT %input_reduce_fusion = f32[1536]{0} fusion(%opt#1), kind=kInput, calls=%fused_reduce
+}
+"""
+  sizes = instruction_bytes(hlo)
+  assert sizes["input_reduce_fusion"]["bytes"] == 1536 * 8960 * 2 + 1536 * 4

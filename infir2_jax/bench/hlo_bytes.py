@@ -48,8 +48,36 @@ def _split_type(rest: str) -> tuple[str, str]:
   return head, tail
 
 
+def tuple_element(type_text: str, index: int) -> str:
+  """The type of element `index` of a tuple type '(T0, T1, ...)' (nested tuples kept whole);
+  a non-tuple type is returned as it is."""
+  if not type_text.startswith("("):
+    return type_text
+  elements, depth, start = [], 0, 1
+  for i, ch in enumerate(type_text):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+      if depth == 0:
+        elements.append(type_text[start:i].strip())
+        break
+    elif ch == "," and depth == 1:
+      elements.append(type_text[start:i].strip())
+      start = i + 1
+  return elements[index] if index < len(elements) else ""
+
+
+def _operand_type(types: dict, operand: str) -> str:
+  """An operand's type; '%t#3' (one element of the tuple %t) is that element's type."""
+  name, _, index = operand.partition("#")
+  type_text = types.get(name, "")
+  return tuple_element(type_text, int(index)) if index else type_text
+
+
 def _operands(call: str) -> list[str]:
-  """The %names inside the op's own parentheses (not those of its attributes)."""
+  """The %names inside the op's own parentheses (not those of its attributes); an element
+  of a tuple keeps its '#index'."""
   start = call.find("(")
   depth, end = 0, len(call)
   for i in range(start, len(call)):
@@ -58,7 +86,7 @@ def _operands(call: str) -> list[str]:
     if depth == 0:
       end = i
       break
-  return re.findall(r"%([\w.\-]+)", call[start:end])
+  return re.findall(r"%([\w.\-]+(?:#\d+)?)", call[start:end])
 
 
 def kernel_name(hlo_name: str) -> str:
@@ -110,7 +138,7 @@ def instruction_bytes(hlo_text: str) -> dict[str, dict]:
     kind = re.search(r"kind=(k\w+)", call)
     kind = kind.group(1) if kind else ""
     result = type_bytes(type_text)
-    operand_bytes = [type_bytes(types.get(o, "")) for o in _operands(call)]
+    operand_bytes = [type_bytes(_operand_type(types, o)) for o in _operands(call)]
     callee = re.search(r"calls=%([\w.\-]+)", call)
     if op == "fusion" and callee and callee.group(1) in bodies:
       for i, read in _sliced_parameters(bodies[callee.group(1)], types).items():
