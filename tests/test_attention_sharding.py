@@ -84,11 +84,19 @@ def stand_in_cudnn(q, k, v, bias=None, mask=None, *, is_causal=False, implementa
   return _attention(q, k, v, jnp.where(mask, 0.0, -1e9).astype(q.dtype))
 
 
-def stand_in_packed(q, k, v, segment_ids, max_documents):
+def stand_in_packed(q, k, v, segment_ids, max_documents, runs=None):
   """cuDNN's packed-document call (model.packed_attention.cudnn_packed) as the same stand-in:
-  its q, k and v reach the partitioner as they would, the documents as a dense mask."""
-  del max_documents
-  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  its q, k and v reach the partitioner as they would, the documents as a dense mask, built
+  from the runs the model made once (attention.document_runs) where it hands them over,
+  so that runs made wrong on a mesh would change the loss."""
+  if runs is None:
+    runs = packed_attention.segment_runs(segment_ids, max_documents)
+  _, offsets_BxM1 = runs
+  positions = jnp.arange(segment_ids.shape[1])
+  started = offsets_BxM1[:, None, :] >= 0
+  document_BxL = jnp.sum(started & (positions[None, :, None] >= offsets_BxM1[:, None, :]),
+                         axis=-1)
+  same = document_BxL[:, :, None] == document_BxL[:, None, :]
   return stand_in_cudnn(q, k, v, mask=same[:, None], is_causal=True, implementation="cudnn")
 
 

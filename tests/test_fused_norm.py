@@ -445,9 +445,10 @@ def test_fused_norm_per_shard_equals_one_device():
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params)
     got_loss, got_grads = jax.jit(jax.value_and_grad(loss))(params)
   inputs = [[v.aval.shape for v in e.params["jaxpr"].invars] for e in jaxpr.jaxpr.eqns
-            if e.primitive.name == "shard_map" and len(e.invars) == 6]
+            if e.primitive.name == "shard_map" and len(e.invars) in (6, 9)]
   normed = [(2, 128, D), (2, 128, 1), (D,)]
   assert normed + [(D, F // 2), (D, F // 2), (F // 2, D)] in inputs   # the MLP
-  assert normed + [(D, 128)] * 3 in inputs   # q|k|v: each device's one head of each
+  # q|k|v: each device's one head of each, and of each bias
+  assert normed + [(D, 128)] * 3 + [(128,)] * 3 in inputs
   np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
   assert _relative_error(got_grads, want_grads) < 3e-2

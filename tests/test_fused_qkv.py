@@ -97,6 +97,44 @@ def test_bf16_fused_qkv_is_three_products_with_one_dgrad_accumulator():
         nk, err(g_f[0]), rounded_once, err(g_t[0]))
 
 
+@pytest.mark.parametrize("recipe,nk", [("infir2", NK), ("infir2", 96), ("bf16", NK)])
+def test_biases_are_added_as_one_vector_and_their_gradients_are_float32_sums(recipe, nk):
+  """biases=(bq, bk, bv): q, k, v are the product's slices plus each bias, bit for bit, and
+  the weights' and x's gradients are those without biases. Each bias's gradient is the sum
+  of its cotangents over the tokens in float32, rounded once (the float64 sum rounded to
+  bf16, to one step). In the one product (widths of whole tiles, or bf16) the biases'
+  gradient is one float32 reduce_sum of [dq | dk | dv]: XLA fuses it into the pass that
+  builds that concatenation instead of re-reading dq, dk and dv (session 32)."""
+  (x, wq, wk, wv), cts = _operands(seed=3, nk=nk)
+  r = np.random.default_rng(4)
+  biases = tuple(jnp.asarray(r.standard_normal(n) * 0.5, jnp.bfloat16) for n in (NQ, nk, nk))
+  fused = fused_qkv.make_fused_qkv(recipe, backend="xla")
+  with_b = lambda x, wq, wk, wv, *b: fused(x, wq, wk, wv, biases=b)
+  loss = lambda f: lambda *a: sum(jnp.sum(y.astype(jnp.float32) * c)
+                                  for y, c in zip(f(*a), cts))
+  args = (x, wq, wk, wv, *biases)
+  ys, grads = jax.jit(lambda *a: (with_b(*a), jax.grad(loss(with_b), argnums=range(7))(*a)))(
+      *args)
+  ys0, grads0 = _value_and_grads(fused, (x, wq, wk, wv), cts)
+  for y, y0, b in zip(ys, ys0, biases):
+    np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                  np.asarray((y0 + b).astype(jnp.bfloat16), np.float32))
+  for g, g0 in zip(grads[:4], grads0):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(g0, np.float32))
+  for g, c in zip(grads[4:], cts):
+    want = np.asarray(c.astype(jnp.bfloat16), np.float64).sum(0)
+    assert g.dtype == jnp.bfloat16
+    step = np.spacing(np.abs(want).astype(ml_dtypes.bfloat16)).astype(np.float64)
+    assert np.all(np.abs(np.asarray(g, np.float64) - want) <= step), recipe
+  jaxpr = jax.make_jaxpr(jax.grad(loss(with_b), argnums=(4, 5, 6)))(*args).jaxpr
+  sums = [e.invars[0].aval for e in jaxpr.eqns   # over the tokens (not the loss's own sums)
+          if e.primitive.name == "reduce_sum" and e.outvars[0].aval.ndim == 1]
+  one_product = recipe == "bf16" or nk % 128 == 0
+  want_widths = [NQ + 2 * nk] if one_product else [NQ, nk, nk]
+  assert sorted(a.shape[-1] for a in sums) == sorted(want_widths), sums
+  assert all(a.dtype == jnp.float32 for a in sums), sums
+
+
 def test_a_width_that_is_not_whole_tiles_runs_three_projections():
   args, cts = _operands(seed=1, nk=96)
   fused = fused_qkv.make_fused_qkv("infir2", backend="xla")
@@ -182,6 +220,8 @@ def test_fused_qkv_per_shard_equals_one_device(recipe, kv_heads):
   model = Qwen2(cfg, factory)
   loss = _loss(model, tokens)
   params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
+  params = jax.tree_util.tree_map_with_path(   # nonzero biases
+      lambda path, p: p + 0.05 if path[-1].key == "bias" else p, params)
   want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params)
   with meshes.fsdp2_tensor2(cfg):
     forward = str(jax.make_jaxpr(loss)(params))
@@ -191,3 +231,6 @@ def test_fused_qkv_per_shard_equals_one_device(recipe, kv_heads):
   assert forward.count("shard_map[") == per_layer * cfg.num_layers
   np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
   assert _relative_error(got_grads, want_grads) < 3e-2
+  for name in ("q_proj", "k_proj", "v_proj"):   # the biases' own (summed over devices)
+    got, want = (g["layers_0"]["self_attn"][name]["bias"] for g in (got_grads, want_grads))
+    assert _relative_error(got, want) < 3e-2, name

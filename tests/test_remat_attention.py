@@ -74,8 +74,11 @@ def _fake_attention(q, k, v, bias=None, mask=None, *, is_causal=False, implement
   return _fake_cudnn(q, k, v, mask)
 
 
-def _fake_packed(q, k, v, segment_ids, max_documents):
-  del max_documents
+def _fake_packed(q, k, v, segment_ids, max_documents, runs=None):
+  # as cuDNN's packed call: the runs it is given (attention.document_runs), else its own
+  lengths, _ = runs if runs is not None else packed_attention.segment_runs(segment_ids,
+                                                                           max_documents)
+  assert lengths.shape == (segment_ids.shape[0], max_documents), lengths.shape
   same = segment_ids[:, :, None] == segment_ids[:, None, :]
   return _fake_cudnn(q, k, v, same[:, None])
 
@@ -154,3 +157,38 @@ def test_rope_per_layer_is_the_earlier_form(fake_cudnn, monkeypatch):
   monkeypatch.setattr(layers, "ROPE", "sometimes")
   with pytest.raises(ValueError, match="INFIR2_ROPE"):
     _rope_counts("save_dots", scan_layers=False)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_document_runs_are_made_once_per_step(fake_cudnn, scan_layers):
+  """The packed attention's runs of the segment ids (segment_runs: a nonzero, whose cumsum
+  is counted) are made once per model call and handed to every layer, not made in each
+  layer and again in each remat'd layer's backward (nine small kernels a layer on the
+  H200, session 32)."""
+  ids = jnp.zeros((2, 128), jnp.int32)
+  once = _count_primitives(jax.make_jaxpr(
+      lambda s: packed_attention.segment_runs(s, CFG.max_documents))(ids).jaxpr,
+                           collections.Counter())["cumsum"]
+  assert once > 0
+  for remat in ("none", "save_dots", "full"):
+    assert _rope_counts(remat, scan_layers)["cumsum"] == once, remat
+
+
+def test_document_runs_are_segment_runs():
+  """document_runs gives the ids with segment_runs' (lengths, offsets) where the packed
+  layout runs, FA3's cu_seqlens for model.document_kernel=fa3_varlen, and the ids alone
+  where the attention takes a dense mask."""
+  from infir2_jax.model.attention import document_runs
+  ids = jnp.asarray([[1, 1, 2, 2, 2, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
+  got = document_runs(CFG, ids)
+  assert isinstance(got, packed_attention.DocumentRuns)
+  want = packed_attention.segment_runs(ids, CFG.max_documents)
+  np.testing.assert_array_equal(got.segment_ids_BxL, ids)
+  for a, b in zip(got.runs, want):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(got.runs[0][0, :4], [2, 3, 3, -1])
+  fa3 = document_runs(dataclasses.replace(CFG, document_kernel="fa3_varlen"), ids)
+  np.testing.assert_array_equal(
+      fa3.runs[0], packed_attention.cu_seqlens(ids, 2 * CFG.max_documents))
+  assert document_runs(dataclasses.replace(CFG, attention="xla"), ids) is ids
+  assert document_runs(dataclasses.replace(CFG, attention_mask="causal"), ids) is ids

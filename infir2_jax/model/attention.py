@@ -29,7 +29,6 @@ from infir2_jax.model.layers import (
     DotGeneralFactory, Linear, LinearParams, apply_rope, default_dot_general_factory,
     module_path, rope_cos_sin)
 from infir2_jax.model.remat import ATTENTION_INPUTS
-from infir2_jax.precision.cotangents import broadcast_like
 from infir2_jax.precision.gemm import target_platform
 from infir2_jax.precision.normed import NormedInput, materialize
 from infir2_jax.precision.per_shard import QkvAxes
@@ -92,12 +91,29 @@ def check_documents(segment_ids_BxL, cfg: ModelConfig) -> None:
         "model.attention_mask='causal' to attend across documents")
 
 
+def document_runs(cfg: ModelConfig, segment_ids_BxL: jax.Array):
+  """segment_ids_BxL as the layers should get them: DocumentRuns (the ids with the runs the
+  training attention's document kernel takes, made here once for all layers) where that
+  kernel runs (uses_packed_documents), else the ids themselves."""
+  if not uses_packed_documents(cfg):
+    return segment_ids_BxL
+  segment_ids_BxL = nn.with_logical_constraint(segment_ids_BxL, ("batch", None))
+  if cfg.document_kernel == "fa3_varlen":
+    runs = (packed_attention.cu_seqlens(segment_ids_BxL,
+                                        segment_ids_BxL.shape[0] * cfg.max_documents),)
+  else:
+    runs = tuple(nn.with_logical_constraint(r, ("batch", None))
+                 for r in packed_attention.segment_runs(segment_ids_BxL, cfg.max_documents))
+  # materialized once (the barrier: XLA would otherwise fuse them into each layer's use)
+  return packed_attention.DocumentRuns(segment_ids_BxL, lax.optimization_barrier(runs))
+
+
 def bf16_train_attention(cfg: ModelConfig, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh,
-                         segment_ids_BxL):
+                         segment_ids_BxL, runs: tuple | None = None):
   """The training attention in BF16: causal, within documents where segment ids are given
   (None: over the whole row). On cuDNN documents run as its packed layout (or FA3 varlen,
-  model.document_kernel); XLA applies the dense mask. Also the backward of the FP8
-  attention (its gradients are this function's)."""
+  model.document_kernel), from `runs` where document_runs made them; XLA applies the dense
+  mask. Also the backward of the FP8 attention (its gradients are this function's)."""
   impl = implementation(cfg)
   if segment_ids_BxL is not None and impl == "cudnn":
     q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, _ = shard_for_cudnn(
@@ -106,9 +122,9 @@ def bf16_train_attention(cfg: ModelConfig, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh,
     if cfg.document_kernel == "fa3_varlen":
       return packed_attention.fa3_varlen(
           q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
-          q_BxLxHxDh.shape[0] * cfg.max_documents)
+          q_BxLxHxDh.shape[0] * cfg.max_documents, runs=runs)
     return packed_attention.cudnn_packed(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh,
-                                         segment_ids_BxL, cfg.max_documents)
+                                         segment_ids_BxL, cfg.max_documents, runs=runs)
   mask_Bx1xLxL = None if segment_ids_BxL is None else segment_mask(segment_ids_BxL)
   if impl == "cudnn":
     q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mask_Bx1xLxL = shard_for_cudnn(
@@ -147,11 +163,14 @@ class Attention(nn.Module):
     return getattr(self._fused_op(ndim), "accepts_normed", False)
 
   @nn.compact
-  def __call__(self, x_BxLxD: "jax.Array | NormedInput", rope_BxLxDh, segment_ids_BxL,
+  def __call__(self, x_BxLxD: "jax.Array | NormedInput", rope_BxLxDh, segments,
                decode: bool = False):
     """rope_BxLxDh: (cos, sin) [B, L, Dh] of the tokens' positions (layers.rope_cos_sin), or
-    the positions [B, L] themselves (INFIR2_ROPE=per_layer: the tables made here)."""
+    the positions [B, L] themselves (INFIR2_ROPE=per_layer: the tables made here).
+    segments: the segment ids [B, L], or document_runs' DocumentRuns (the ids with their
+    runs, made once for all layers)."""
     cfg = self.config
+    segment_ids_BxL, runs = packed_attention.split_runs(segments)
     if isinstance(x_BxLxD, NormedInput) and not self.takes_normed(x_BxLxD.ndim):
       x_BxLxD = materialize(x_BxLxD)
     batch, length, width = x_BxLxD.shape
@@ -175,7 +194,8 @@ class Attention(nn.Module):
       out_BxLxHxDh = jax.nn.dot_product_attention(q_BxLxHxDh, cached[0], cached[1],
                                                   mask=cached[2])
     else:
-      out_BxLxHxDh = self._train_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL)
+      out_BxLxHxDh = self._train_attention(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
+                                           runs)
     out_BxLxHDh = out_BxLxHxDh.reshape(batch, length, heads * dh)
     return self._dense(width, ("heads", "embed"), False, "o_proj")(out_BxLxHDh)
 
@@ -197,12 +217,11 @@ class Attention(nn.Module):
     params = [LinearParams(n, axes, cfg.qkv_bias, dtype, jnp.dtype(cfg.param_dtype),
                            cfg.init_std, name=name)(x_BxLxD.shape[-1])
               for name, n, axes in specs]
-    outs = fused(x_BxLxD if normed else x_BxLxD.astype(dtype),
-                 *(kernel for kernel, _ in params))
-    return tuple(y if bias is None else y + broadcast_like(bias, y)
-                 for y, (_, bias) in zip(outs, params))
+    biases = tuple(bias for _, bias in params) if cfg.qkv_bias else None
+    return fused(x_BxLxD if normed else x_BxLxD.astype(dtype),
+                 *(kernel for kernel, _ in params), biases=biases)
 
-  def _train_attention(self, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL):
+  def _train_attention(self, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL, runs):
     document = self.config.attention_mask == "document"
     segment_ids_BxL = segment_ids_BxL if document else None
     fp8_attention = getattr(self.dot_general_factory, "attention", None)
@@ -211,7 +230,7 @@ class Attention(nn.Module):
       return attend(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
                     backward=functools.partial(bf16_train_attention, self.config))
     return bf16_train_attention(self.config, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh,
-                                segment_ids_BxL)
+                                segment_ids_BxL, runs=runs if document else None)
 
   def _append_to_cache(self, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT):
     """Writes this call's keys, values and segment ids at the cache's index; returns

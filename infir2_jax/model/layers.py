@@ -38,9 +38,10 @@ class DotGeneralFactory(Protocol):
   # Optional: `gated_mlp(path, axes: MlpAxes)` -> mlp(x, w_gate, w_up, w_down) or None, the
   # whole SwiGLU MLP at `path` as one op (precision.fused_mlp); the MLP uses it when given,
   # and hands it its norm's NormedInput when mlp.accepts_normed (precision.fused_norm).
-  # Optional: `fused_qkv(path, axes: QkvAxes)` -> qkv(x, wq, wk, wv) -> (q, k, v) or None,
-  # the attention's three input projections as one product (precision.fused_qkv); the
-  # attention hands it its norm's NormedInput when qkv.accepts_normed (precision.fused_norm).
+  # Optional: `fused_qkv(path, axes: QkvAxes)` -> qkv(x, wq, wk, wv, biases=None) -> (q, k, v)
+  # or None, the attention's three input projections (and their biases) as one product
+  # (precision.fused_qkv); the attention hands it its norm's NormedInput when
+  # qkv.accepts_normed (precision.fused_norm).
 
 
 def default_dot_general_factory(path: str, axes: ProjectionAxes | None = None) -> DotGeneral:

@@ -14,10 +14,29 @@ Shape legend: B rows, L length, H query heads, K key/value heads, D head size, M
 """
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+class DocumentRuns(NamedTuple):
+  """A batch's segment ids with the runs its document kernel takes, made once per model
+  call (model/qwen2.py) and handed to every layer in place of the ids alone. Made inside
+  each layer, the runs cost nine small kernels a layer, and again in each remat'd layer's
+  backward (session 32). runs: cudnn_packed's (lengths [B, M], offsets [B, M + 1]) or
+  fa3_varlen's (cu_seqlens [R + 1],)."""
+  segment_ids_BxL: jax.Array
+  runs: tuple
+
+
+def split_runs(segments) -> tuple:
+  """(segment ids [B, L] or None, the precomputed runs or None) of a layer's `segments`:
+  DocumentRuns, or the ids (or None) alone."""
+  if isinstance(segments, DocumentRuns):
+    return segments.segment_ids_BxL, segments.runs
+  return segments, None
 
 
 def run_starts(segment_ids_BxL: jax.Array) -> jax.Array:
@@ -71,26 +90,30 @@ def dense_cudnn(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL):
                                       is_causal=True, implementation="cudnn")
 
 
-def cudnn_packed(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, max_segments: int):
+def cudnn_packed(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, max_segments: int,
+                 runs: tuple | None = None):
   """Causal attention within each run by cuDNN's packed layout (Hopper, cuDNN >= 9.6).
 
   Its softmax statistics (kept for the backward pass) are [B * M, H, L] float32: M scales
-  the memory, so keep it near the real number of documents per row.
+  the memory, so keep it near the real number of documents per row. runs: segment_runs'
+  (lengths, offsets) of the ids if made already (DocumentRuns).
   """
   from jax._src.cudnn import fused_attention_stablehlo as cudnn  # pylint: disable=g-import-not-at-top
-  lengths, offsets = segment_runs(segment_ids_BxL, max_segments)
+  lengths, offsets = runs if runs is not None else segment_runs(segment_ids_BxL, max_segments)
   return cudnn.dot_product_attention(
       q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets,
       kv_offsets=offsets, scale=1.0 / math.sqrt(q_BxLxHxD.shape[-1]),
       mask_type=cudnn.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
 
 
-def fa3_varlen(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, max_runs: int | None = None):
-  """Causal attention within each run by FlashAttention-3's varlen kernel (Hopper)."""
+def fa3_varlen(q_BxLxHxD, k_BxLxKxD, v_BxLxKxD, segment_ids_BxL, max_runs: int | None = None,
+               runs: tuple | None = None):
+  """Causal attention within each run by FlashAttention-3's varlen kernel (Hopper). runs:
+  (cu_seqlens(ids, max_runs),) if made already (DocumentRuns)."""
   from flash_attn3_jax import flash_mha_varlen  # pylint: disable=g-import-not-at-top
   rows, length, heads, dim = q_BxLxHxD.shape
   max_runs = max_runs or rows * max(1, length // 16)
-  cu = cu_seqlens(segment_ids_BxL, max_runs)
+  cu = runs[0] if runs is not None else cu_seqlens(segment_ids_BxL, max_runs)
   flat = lambda t: t.reshape(rows * length, *t.shape[2:])
   out = flash_mha_varlen(flat(q_BxLxHxD), flat(k_BxLxKxD), flat(v_BxLxKxD), cu, cu,
                          max_seqlen_q=length, max_seqlen_k=length,

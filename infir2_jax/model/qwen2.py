@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from infir2_jax.model import layers
-from infir2_jax.model.attention import Attention
+from infir2_jax.model.attention import Attention, document_runs
 from infir2_jax.model.axes import compute_axes
 from infir2_jax.model.config import ModelConfig
 from infir2_jax.model.layers import (
@@ -22,10 +22,11 @@ class DecoderLayer(nn.Module):
   dot_general_factory: DotGeneralFactory = default_dot_general_factory
 
   @nn.compact
-  def __call__(self, x_BxLxD, rope_BxLxDh, segment_ids_BxL, decode: bool = False):
+  def __call__(self, x_BxLxD, rope_BxLxDh, segments, decode: bool = False):
     """rope_BxLxDh: the (cos, sin) tables of the tokens' positions (layers.rope_cos_sin),
     made once per model call and shared by every layer (the positions [B, L] under
-    INFIR2_ROPE=per_layer)."""
+    INFIR2_ROPE=per_layer). segments: the segment ids [B, L], or with their runs
+    (attention.document_runs), likewise made once."""
     cfg = self.config
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = lambda name: RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name=name)
@@ -34,7 +35,7 @@ class DecoderLayer(nn.Module):
     # never written (precision/normed.py).
     attn = Attention(cfg, self.dot_general_factory, name="self_attn")
     normed_x = norm("input_layernorm")(x_BxLxD, deferred=attn.takes_normed(x_BxLxD.ndim))
-    h = x_BxLxD + attn(normed_x, rope_BxLxDh, segment_ids_BxL, decode)
+    h = x_BxLxD + attn(normed_x, rope_BxLxDh, segments, decode)
     mlp = MLP(cfg.intermediate_size, dtype, param_dtype, cfg.init_std,
               self.dot_general_factory, name="mlp")
     normed_h = norm("post_attention_layernorm")(h, deferred=mlp.takes_normed(h.ndim))
@@ -81,6 +82,8 @@ class Qwen2(nn.Module):
     if layers.ROPE == "once":
       rope_BxLxDh = jax.lax.optimization_barrier(jax.lax.stop_gradient(
           rope_cos_sin(positions_BxL, cfg.head_size, cfg.rope_theta)))
+    # Likewise the document kernel's runs of the segment ids (nine small kernels a layer).
+    segments = segment_ids_BxL if decode else document_runs(cfg, segment_ids_BxL)
 
     embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
                      embedding_init=nn.with_logical_partitioning(
@@ -92,7 +95,7 @@ class Qwen2(nn.Module):
     x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "act_embed"))
 
     if cfg.scan_layers and not (self.is_initializing() or decode):
-      x_BxLxD = self._scanned_layers(x_BxLxD, rope_BxLxDh, segment_ids_BxL)
+      x_BxLxD = self._scanned_layers(x_BxLxD, rope_BxLxDh, segments)
     else:
       layer_cls = DecoderLayer
       if cfg.remat != "none" and not decode:
@@ -100,7 +103,7 @@ class Qwen2(nn.Module):
                              static_argnums=(4,))
       for i in range(cfg.num_layers):
         x_BxLxD = layer_cls(cfg, self.dot_general_factory, name=f"layers_{i}")(
-            x_BxLxD, rope_BxLxDh, segment_ids_BxL, decode)
+            x_BxLxD, rope_BxLxDh, segments, decode)
     x_BxLxD = RMSNorm(cfg.rms_norm_eps, dtype, param_dtype, name="norm")(x_BxLxD)
     if return_hidden:
       return x_BxLxD
@@ -134,7 +137,7 @@ class Qwen2(nn.Module):
     return nn.with_logical_constraint(params["lm_head"]["kernel"].astype(dtype),
                                       compute_axes(("embed", "vocab"))), 1
 
-  def _scanned_layers(self, x_BxLxD, rope_BxLxDh, segment_ids_BxL):
+  def _scanned_layers(self, x_BxLxD, rope_BxLxDh, segments):
     """The layers as one lax.scan over their params, stacked on a leading axis per step."""
     cfg = self.config
     params = self.variables["params"]
@@ -150,7 +153,7 @@ class Qwen2(nn.Module):
     layer = DecoderLayer(cfg, _uniform_factory(self.dot_general_factory, names), parent=None)
 
     def body(x, layer_params):
-      return layer.apply({"params": layer_params}, x, rope_BxLxDh, segment_ids_BxL), None
+      return layer.apply({"params": layer_params}, x, rope_BxLxDh, segments), None
 
     if cfg.remat != "none":
       body = jax.checkpoint(body, policy=POLICIES[cfg.remat])

@@ -37,6 +37,7 @@ Shape legend: M tokens, D width, Nq = H x Dh, Nk = KV x Dh.
 
 import jax.numpy as jnp
 
+from infir2_jax.precision.cotangents import broadcast_like
 from infir2_jax.precision.dot_general import make_dot_general
 from infir2_jax.precision.normed import NormedInput, materialize
 from infir2_jax.precision.per_shard import shard_local
@@ -54,9 +55,13 @@ def supports(recipe: "Recipe | str") -> bool:
 
 def make_fused_qkv(recipe: "Recipe | str", *, backend: str = "auto",
                    quantize_backend: str = "mosaic", fused_norm: bool = False):
-  """qkv(x [..., D], wq [D, Nq], wk [D, Nk], wv [D, Nk]) -> (q, k, v) [..., N*] of `recipe`
-  (one that `supports`), all in the compute dtype: one product on the concatenated weights
-  where every width is a multiple of 128 (any width for bf16), else three. x may be a
+  """qkv(x [..., D], wq [D, Nq], wk [D, Nk], wv [D, Nk], biases=None) -> (q, k, v) [..., N*]
+  of `recipe` (one that `supports`), all in the compute dtype: one product on the
+  concatenated weights where every width is a multiple of 128 (any width for bf16), else
+  three. biases (bq [Nq], bk, bv [Nk]) are added as one [Nq + 2 Nk] vector to the one
+  product, so the backward sums their gradients from [dq | dk | dv] as it is built (one
+  pass, fused with it, instead of re-reading dq, dk and dv: session 32), in float32
+  (cotangents.broadcast_like); the values are those of adding each to its slice. x may be a
   NormedInput with h [..., D] (the module docstring). fused_norm (precision.fused_norm) sets
   qkv.accepts_normed, which tells the model to hand it its norm's NormedInput rather than
   the normed x; never for bf16, which would only materialize it."""
@@ -66,15 +71,19 @@ def make_fused_qkv(recipe: "Recipe | str", *, backend: str = "auto",
                      "recipe whose quantized tiles are at most 128 x 128); use its dot_general")
   dot_general = make_dot_general(recipe, backend=backend, quantize_backend=quantize_backend)
 
-  def qkv(x, wq, wk, wv):
+  def qkv(x, wq, wk, wv, biases=None):
     widths = (wq.shape[1], wk.shape[1], wv.shape[1])
     three = not recipe.is_bf16 and any(n % TILE for n in widths)
     if isinstance(x, NormedInput) and (three or recipe.is_bf16):
       x = materialize(x)
     dims = (((x.ndim - 1,), (0,)), ((), ()))
     if three:
-      return tuple(dot_general(x, w, dims) for w in (wq, wk, wv))
+      outs = tuple(dot_general(x, w, dims) for w in (wq, wk, wv))
+      return outs if biases is None else tuple(
+          y + broadcast_like(b, y) for y, b in zip(outs, biases))
     y = dot_general(x, jnp.concatenate([wq, wk, wv], axis=1), dims)
+    if biases is not None:
+      y = y + broadcast_like(jnp.concatenate(biases), y)
     nq, nk, _ = widths
     return y[..., :nq], y[..., nq:nq + nk], y[..., nq + nk:]
 

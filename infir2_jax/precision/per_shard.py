@@ -176,29 +176,35 @@ class QkvAxes:
 
 
 def per_shard_qkv(qkv, axes: QkvAxes):
-  """`qkv` (x, wq, wk, wv) run inside shard_map on each device's shard: tokens split like
-  the batch, each weight's N like its compute axis (column-parallel: each device
-  concatenates its own heads of q, k and v). x may be a NormedInput, split as per_shard_mlp
-  splits one. One global call when there is no mesh of several devices, x is not laid out
-  as `axes` says, D is split, or a split does not divide evenly."""
-  def call(x, wq, wk, wv):
+  """`qkv` (x, wq, wk, wv, biases=None) run inside shard_map on each device's shard: tokens
+  split like the batch, each weight's N (and its bias) like its compute axis
+  (column-parallel: each device concatenates its own heads of q, k and v). x may be a
+  NormedInput, split as per_shard_mlp splits one. One global call when there is no mesh of
+  several devices, x is not laid out as `axes` says, D is split, or a split does not divide
+  evenly."""
+  def call(x, wq, wk, wv, biases=None):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or x.ndim != len(axes.x):
-      return qkv(x, wq, wk, wv)
+      return qkv(x, wq, wk, wv, biases=biases)
     *lead, d_axes = _mesh_axes(axes.x)
     dq_axes, q_axes = _mesh_axes(axes.q)
     dk_axes, kv_axes = _mesh_axes(axes.kv)
     if any(a is not None for a in (d_axes, dq_axes, dk_axes)):
-      return qkv(x, wq, wk, wv)
+      return qkv(x, wq, wk, wv, biases=biases)
     x_spec, wq_spec, wkv_spec = P(*lead, None), P(None, q_axes), P(None, kv_axes)
     dims = [*zip(x.shape, x_spec), *zip(wq.shape, wq_spec), *zip(wk.shape, wkv_spec),
             *zip(wv.shape, wkv_spec)]
     if any(size % _ways(mesh, entry) for size, entry in dims):
-      return qkv(x, wq, wk, wv)
+      return qkv(x, wq, wk, wv, biases=biases)
     out_specs = (P(*lead, q_axes), P(*lead, kv_axes), P(*lead, kv_axes))
     in_specs = (_rows_spec(x, x_spec), wq_spec, wkv_spec, wkv_spec)
-    return jax.shard_map(qkv, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)(x, wq, wk, wv)
+    if biases is None:
+      return jax.shard_map(qkv, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                           check_vma=False)(x, wq, wk, wv)
+    bias_specs = (P(q_axes), P(kv_axes), P(kv_axes))
+    return jax.shard_map(lambda x, wq, wk, wv, *b: qkv(x, wq, wk, wv, biases=b), mesh=mesh,
+                         in_specs=(*in_specs, *bias_specs), out_specs=out_specs,
+                         check_vma=False)(x, wq, wk, wv, *biases)
 
   call.recipe = getattr(qkv, "recipe", None)
   call.accepts_normed = getattr(qkv, "accepts_normed", False)
