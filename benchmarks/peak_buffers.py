@@ -115,14 +115,21 @@ _REDUCE = re.compile(r"= bf16\[[\d,]*\]\S* reduce\(.*to_apply=%([\w.\-]+)")
 
 def count_kernels(hlo_text: str) -> dict:
   """The compiled step's kernels (fusions, custom calls, copies of its entry computation),
-  of them the fusions that recompute a remat'd layer's forward in the backward pass, and the
-  reductions anywhere in the program that add in bf16 (XLA:GPU rounds every partial sum:
-  precision/cotangents.py)."""
+  the bytes XLA's own kernels of them move, the fusions that recompute a remat'd layer's
+  forward in the backward pass, and the reductions anywhere in the program that add in
+  bf16 (XLA:GPU rounds every partial sum: precision/cotangents.py)."""
+  from infir2_jax.bench.hlo_bytes import instruction_bytes, kernel_name
   entry = hlo_text[hlo_text.index("\nENTRY "):]
   entry = entry[:entry.index("\n}")]
   kernels = [l for l in entry.splitlines() if _KERNEL.match(l)]
   bf16_adds = set(_BF16_ADD.findall(hlo_text))
+  sizes = instruction_bytes(hlo_text)
+  xla_kernels = [kernel_name(re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)", l).group(1))
+                 for l in kernels if " custom-call(" not in l]
   return {"kernels": len(kernels),
+          # bytes XLA's own kernels (fusions, copies) of the entry computation move
+          # (infir2_jax.bench.hlo_bytes): what the step's elementwise rest reads and writes
+          "xla_kernel_bytes": sum(sizes[k]["bytes"] for k in xla_kernels if k in sizes),
           "recomputed_fusions": sum(" fusion(" in l and "rematted_computation" in l
                                     for l in kernels),
           "bf16_reductions": sum(m is not None and m.group(1) in bf16_adds

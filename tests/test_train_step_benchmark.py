@@ -182,7 +182,8 @@ ENTRY %main.1 (x: f32[4]) -> f32[4] {
 def test_peak_buffers_counts_the_kernels_and_the_recomputed_fusions():
   import peak_buffers  # benchmarks/
   assert peak_buffers.count_kernels(OPTIMIZED_HLO) == {
-      "kernels": 5, "recomputed_fusions": 1, "bf16_reductions": 1}
+      "kernels": 5, "recomputed_fusions": 1, "bf16_reductions": 1,
+      "xla_kernel_bytes": 4 * 2 * 16}   # three fusions and a copy of f32[4] -> f32[4]
 
 
 def test_peak_buffers_names_unrolled_layers_activations():
