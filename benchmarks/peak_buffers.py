@@ -107,7 +107,8 @@ def parse_memory_usage(text: str, top: int = 12) -> dict:
   return {"total_bytes": total, "slices": slices[:top]}
 
 
-_KERNEL = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = \S+ (?:fusion|custom-call|copy)\(")
+# an instruction's definition; its type may be a tuple "(T0, T1)" (multi-output fusions)
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = ")
 _BF16_ADD = re.compile(r"^%([\w.\-]+) \([\w.]+: bf16\[\], [\w.]+: bf16\[\]\) -> bf16\[\] \{",
                        re.M)
 _REDUCE = re.compile(r"= bf16\[[\d,]*\]\S* reduce\(.*to_apply=%([\w.\-]+)")
@@ -118,20 +119,25 @@ def count_kernels(hlo_text: str) -> dict:
   the bytes XLA's own kernels of them move, the fusions that recompute a remat'd layer's
   forward in the backward pass, and the reductions anywhere in the program that add in
   bf16 (XLA:GPU rounds every partial sum: precision/cotangents.py)."""
-  from infir2_jax.bench.hlo_bytes import instruction_bytes, kernel_name
+  from infir2_jax.bench.hlo_bytes import instruction_bytes, kernel_name, split_type
   entry = hlo_text[hlo_text.index("\nENTRY "):]
   entry = entry[:entry.index("\n}")]
-  kernels = [l for l in entry.splitlines() if _KERNEL.match(l)]
+  kernels = {}   # name: op, of the entry's fusions, custom calls and copies
+  for line in entry.splitlines():
+    m = _DEFINITION.match(line)
+    if m:
+      op = split_type(line[m.end():])[1].split("(", 1)[0]
+      if op in ("fusion", "custom-call", "copy"):
+        kernels[m.group(1)] = (op, line)
   bf16_adds = set(_BF16_ADD.findall(hlo_text))
   sizes = instruction_bytes(hlo_text)
-  xla_kernels = [kernel_name(re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)", l).group(1))
-                 for l in kernels if " custom-call(" not in l]
+  xla_kernels = [kernel_name(n) for n, (op, _) in kernels.items() if op != "custom-call"]
   return {"kernels": len(kernels),
           # bytes XLA's own kernels (fusions, copies) of the entry computation move
           # (infir2_jax.bench.hlo_bytes): what the step's elementwise rest reads and writes
           "xla_kernel_bytes": sum(sizes[k]["bytes"] for k in xla_kernels if k in sizes),
-          "recomputed_fusions": sum(" fusion(" in l and "rematted_computation" in l
-                                    for l in kernels),
+          "recomputed_fusions": sum(op == "fusion" and "rematted_computation" in l
+                                    for op, l in kernels.values()),
           "bf16_reductions": sum(m is not None and m.group(1) in bf16_adds
                                  for m in map(_REDUCE.search, hlo_text.splitlines()))}
 

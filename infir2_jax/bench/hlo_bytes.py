@@ -35,7 +35,7 @@ def type_bytes(type_text: str) -> int:
   return total
 
 
-def _split_type(rest: str) -> tuple[str, str]:
+def split_type(rest: str) -> tuple[str, str]:
   """(type, the rest after it) of 'TYPE op(operands), attrs'."""
   if rest.startswith("("):
     depth = 0
@@ -124,7 +124,7 @@ def instruction_bytes(hlo_text: str) -> dict[str, dict]:
     if not m:
       continue
     name, rest = m.group(1), line[m.end():]
-    type_text, call = _split_type(rest)
+    type_text, call = split_type(rest)
     types[name] = type_text
     op = re.match(r"([\w\-]+)\(", call)
     if op:
