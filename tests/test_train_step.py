@@ -526,3 +526,35 @@ def test_telemetry_step_gives_the_same_bits_with_the_masters_differentiated(monk
   monkeypatch.setattr(step_lib, "GRAD_INPUTS", "copies")
   with pytest.raises(ValueError, match="INFIR2_GRAD_INPUTS='copies': one of"):
     step_lib.compute_dtype_grad_fn(model_t)(params, batch)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_gradients_leave_through_a_barrier_only_where_layers_are_scanned(scan, monkeypatch):
+  """INFIR2_GRAD_BARRIER "auto": the scanned model's gradients leave the backward through an
+  optimization barrier (else XLA fuses their float32 conversion into the fusions that
+  unstack them, float32 copies at the 7B's peak); the unrolled model's do not, so XLA fuses
+  their slicing and sums into the optimizer's update (session 32). "always" and "never"
+  override it, and the values are the same either way."""
+  from infir2_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
+  cfg = dataclasses.replace(TINY, dtype="bfloat16", scan_layers=scan)
+  model = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(recipe="infir2", backend="xla")))
+  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  batch = make_batch()
+
+  def barrier_on_grads(mode):
+    monkeypatch.setattr(step_lib, "GRAD_BARRIER", mode)
+    fn = step_lib.compute_dtype_grad_fn(model)
+    jaxpr = jax.make_jaxpr(fn)(params, batch).jaxpr
+    grads_out = {id(v) for v in jaxpr.outvars[2:]}
+    barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"
+                and any(id(v) in grads_out for v in e.outvars)]
+    return bool(barriers), jax.jit(fn)(params, batch)
+
+  auto, grads = barrier_on_grads("auto")
+  assert auto == scan
+  assert barrier_on_grads("always")[0] and not barrier_on_grads("never")[0]
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(barrier_on_grads("never")[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  monkeypatch.setattr(step_lib, "GRAD_BARRIER", "0")
+  with pytest.raises(ValueError, match="INFIR2_GRAD_BARRIER"):
+    step_lib.compute_dtype_grad_fn(model)
