@@ -60,7 +60,8 @@
 #        the bf16 copies: INFIR2_GRAD_INPUTS=master's time and peak),
 #        normedpair (session 30: the normed kernel's GPU check and time alone, then infir2
 #        without and with precision.fused_norm, profiled), rope (the normed check, bf16,
-#        infir2, infir2 with INFIR2_ROPE=per_layer and with fused_norm: session 31's A/B),
+#        infir2, infir2 with INFIR2_ROPE=per_layer, with INFIR2_GRAD_BARRIER=always and with
+#        fused_norm: sessions 31-32's A/Bs),
 #        7bcand (session 29: the <= 78 GiB 7B candidate alone, for an 80 GB H100, then its
 #        buffers from the autotuned compile),
 #        startup (the trainer's start-up phases on the 1.5B config, cold then warm cache).
@@ -351,10 +352,11 @@ elif [[ $STAGE == normedpair ]]; then
 elif [[ $STAGE == rope ]]; then
   # Session 31: the fixed normed kernel's GPU check, then bf16 and infir2 (issues 33/34's
   # ratio and MFU), infir2 with RoPE's tables made in every layer as before (INFIR2_ROPE=
-  # per_layer: the A/B of session 31's change) and infir2 with fused_norm, as the deadline
+  # per_layer: the A/B of session 31's change), with its gradients through the barrier
+  # (INFIR2_GRAD_BARRIER=always: session 32's A/B) and with fused_norm, as the deadline
   # allows (~110 s a variant).
   normed_gpu_check
-  step_1p5b bf16,infir2,infir2~INFIR2_ROPE=per_layer,infir2~precision.fused_norm=True 40
+  step_1p5b bf16,infir2,infir2~INFIR2_ROPE=per_layer,infir2~INFIR2_GRAD_BARRIER=always,infir2~precision.fused_norm=True 44
 elif [[ $STAGE == 7bfast ]]; then
   # Issues 33/35's 7B speed target (the fastest infir2 that fits <= 0.72x the fastest bf16
   # that fits), both without the recomputed forward, unrolled, FP8 moments (the fused step)
