@@ -58,14 +58,16 @@ def test_infir2_projections_see_only_their_shard(fused_qkv):
   # mesh data 1 x fsdp 2 x tensor 4; hidden 1024, 4 heads and 2 KV heads of 128, MLP 512.
   # KV heads are replicated at tensor 4 (2 < 4); o splits K over tensor (partial sums); the
   # fused MLP takes gate's and up's columns of its shard and down's rows (partial sums); the
-  # fused q/k/v product its shard of q's columns and k's and v's whole (replicated) ones.
+  # fused q/k/v product its shard of q's columns and k's and v's whole (replicated) ones,
+  # and of their biases.
   rows = ROWS // 2
   want = collections.Counter({
       ((rows, LENGTH, 512 // 4), (512 // 4, 1024)): 1,  # o_proj
       ((rows, LENGTH, 1024), (1024, 512 // 4), (1024, 512 // 4), (512 // 4, 1024)): 1,  # mlp
   })
   if fused_qkv:
-    want[(rows, LENGTH, 1024), (1024, 512 // 4), (1024, 256), (1024, 256)] = 1
+    want[(rows, LENGTH, 1024), (1024, 512 // 4), (1024, 256), (1024, 256),
+         (512 // 4,), (256,), (256,)] = 1
   else:
     want[(rows, LENGTH, 1024), (1024, 512 // 4)] = 1   # q_proj
     want[(rows, LENGTH, 1024), (1024, 256)] = 2        # k_proj, v_proj
@@ -79,9 +81,9 @@ def test_other_recipes_stay_with_xla_partitioning(recipe):
 
 def test_bf16_runs_only_its_fused_qkv_per_shard():
   # bf16's o, gate, up and down stay with XLA's partitioner; its fused q/k/v product
-  # concatenates each device's own heads (q's shard, the replicated k and v).
+  # concatenates each device's own heads (q's shard, the replicated k and v) and biases.
   want = collections.Counter({((ROWS // 2, LENGTH, 1024), (1024, 512 // 4), (1024, 256),
-                                (1024, 256)): 1})
+                                (1024, 256), (512 // 4,), (256,), (256,)): 1})
   assert _local_gemm_shapes("bf16", (1, 2, 4)) == want
 
 
