@@ -230,7 +230,7 @@ class Attention(nn.Module):
       return attend(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, segment_ids_BxL,
                     backward=functools.partial(bf16_train_attention, self.config))
     return bf16_train_attention(self.config, q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh,
-                                segment_ids_BxL, runs=runs if document else None)
+                                segment_ids_BxL, runs=runs)
 
   def _append_to_cache(self, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT):
     """Writes this call's keys, values and segment ids at the cache's index; returns

@@ -197,14 +197,11 @@ def per_shard_qkv(qkv, axes: QkvAxes):
     if any(size % _ways(mesh, entry) for size, entry in dims):
       return qkv(x, wq, wk, wv, biases=biases)
     out_specs = (P(*lead, q_axes), P(*lead, kv_axes), P(*lead, kv_axes))
-    in_specs = (_rows_spec(x, x_spec), wq_spec, wkv_spec, wkv_spec)
-    if biases is None:
-      return jax.shard_map(qkv, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                           check_vma=False)(x, wq, wk, wv)
-    bias_specs = (P(q_axes), P(kv_axes), P(kv_axes))
-    return jax.shard_map(lambda x, wq, wk, wv, *b: qkv(x, wq, wk, wv, biases=b), mesh=mesh,
-                         in_specs=(*in_specs, *bias_specs), out_specs=out_specs,
-                         check_vma=False)(x, wq, wk, wv, *biases)
+    in_specs = (_rows_spec(x, x_spec), wq_spec, wkv_spec, wkv_spec,
+                *((P(q_axes), P(kv_axes), P(kv_axes)) if biases is not None else ()))
+    return jax.shard_map(lambda x, wq, wk, wv, *b: qkv(x, wq, wk, wv, biases=b or None),
+                         mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(x, wq, wk, wv, *(biases or ()))
 
   call.recipe = getattr(qkv, "recipe", None)
   call.accepts_normed = getattr(qkv, "accepts_normed", False)
