@@ -116,7 +116,9 @@ def test_start_up_names_weights_fp8_backend_memory_and_phases(fp8_run):
                           "eval step trace", "wait for the state", "compile wait"]
   assert re.fullmatch(r"init \d+\.\d s", beside), beside
   total = float(re.match(r"start-up (\d+\.\d) s", startup).group(1))
-  assert sum(map(float, phases.values())) <= total + 0.1
+  # each printed time is rounded to 0.1 s: the phases' sum may exceed the rounded total by up
+  # to half a tenth per number printed
+  assert sum(map(float, phases.values())) <= total + 0.05 * (len(phases) + 1) + 1e-9
 
 
 def test_each_step_compiles_once(fp8_run):
