@@ -144,7 +144,7 @@ def test_the_model_hands_its_own_bf16_attention_to_the_backward(monkeypatch):
   positions = jnp.asarray([list(range(50)) + list(range(78))], jnp.int32)
   model = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(backend="xla",
                                                               recipe="infir2_fp8attn")))
-  params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens)["params"])
   loss = lambda p: jnp.mean(model.apply({"params": p}, tokens, positions, segments)
                             .astype(jnp.float32) ** 2)
   reference = jax.jit(jax.grad(loss))(params)   # the backward the model hands over
@@ -228,7 +228,7 @@ def test_the_model_runs_fp8_attention_only_where_the_recipe_says():
   positions = jnp.asarray(np.concatenate([np.arange(70), np.arange(58)])[None].repeat(2, 0),
                           jnp.int32)
   model = lambda **kw: Qwen2(cfg, make_dot_general_factory(PrecisionConfig(backend="xla", **kw)))
-  params = nn.unbox(model(recipe="infir2").init(jax.random.key(0), tokens)["params"])
+  params = nn.unbox(jax.jit(model(recipe="infir2").init)(jax.random.key(0), tokens)["params"])
   logits = lambda m, p: jax.jit(m.apply)({"params": p}, tokens, positions, segments)
   base = np.asarray(logits(model(recipe="infir2"), params))
   fp8 = np.asarray(logits(model(recipe="infir2_fp8attn"), params))

@@ -127,8 +127,8 @@ def test_model_with_the_fused_mlp_keeps_its_params_and_matches_the_composition(s
   factory = make_dot_general_factory(PrecisionConfig(recipe="infir2", backend="xla"))
   plain = lambda path, axes=None: factory(path, axes)  # the same, without gated_mlp
   init_cfg = dataclasses.replace(cfg, scan_layers=False)
-  boxed_fused = Qwen2(init_cfg, factory).init(jax.random.key(0), tokens)
-  boxed_plain = Qwen2(init_cfg, plain).init(jax.random.key(0), tokens)
+  boxed_fused = jax.jit(Qwen2(init_cfg, factory).init)(jax.random.key(0), tokens)
+  boxed_plain = jax.jit(Qwen2(init_cfg, plain).init)(jax.random.key(0), tokens)
   assert (jax.tree.map(lambda b: (b.value.shape, b.names), boxed_fused,
                        is_leaf=lambda b: isinstance(b, nn.Partitioned))
           == jax.tree.map(lambda b: (b.value.shape, b.names), boxed_plain,
@@ -161,7 +161,7 @@ def test_fused_mlp_per_shard_equals_one_device():
   tokens = jax.random.randint(jax.random.key(2), (4, 128), 0, cfg.vocab_size)
   factory = make_dot_general_factory(PrecisionConfig(recipe="infir2", backend="xla"))
   model, loss = _model_loss(cfg, factory, tokens)
-  params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens))["params"]
   want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params)
   with meshes.fsdp2_tensor2(cfg):
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params)

@@ -387,7 +387,7 @@ def test_model_with_the_fused_norm_is_the_model_without(monkeypatch, scan_layers
   assert normed_tiles == 2 * (1 if scan_layers else cfg.num_layers)   # one layer body
   tokens = jax.random.randint(jax.random.key(1), (2, 128), 0, cfg.vocab_size)
   init_cfg = dataclasses.replace(cfg, scan_layers=False)
-  boxed = {flag: _model(init_cfg, fused_norm=flag).init(jax.random.key(0), tokens)
+  boxed = {flag: jax.jit(_model(init_cfg, fused_norm=flag).init)(jax.random.key(0), tokens)
            for flag in (False, True)}
   spec = lambda tree: jax.tree.map(lambda b: (b.value.shape, b.names), tree,
                                    is_leaf=lambda b: isinstance(b, nn.Partitioned))
@@ -439,7 +439,7 @@ def test_fused_norm_per_shard_equals_one_device():
   tokens = jax.random.randint(jax.random.key(2), (4, 128), 0, cfg.vocab_size)
   model = _model(cfg, fused_norm=True)
   loss = _loss(model, tokens)
-  params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens))["params"]
   want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params)
   with meshes.fsdp2_tensor2(cfg):
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params)

@@ -188,8 +188,8 @@ def test_model_with_the_fused_qkv_keeps_its_params_and_logits(scan_layers):
   three = make_dot_general_factory(PrecisionConfig(recipe="infir2", backend="xla",
                                                    fused_qkv=False))
   init_cfg = dataclasses.replace(cfg, scan_layers=False)
-  boxed_f = Qwen2(init_cfg, fused).init(jax.random.key(0), tokens)
-  boxed_t = Qwen2(init_cfg, three).init(jax.random.key(0), tokens)
+  boxed_f = jax.jit(Qwen2(init_cfg, fused).init)(jax.random.key(0), tokens)
+  boxed_t = jax.jit(Qwen2(init_cfg, three).init)(jax.random.key(0), tokens)
   describe = lambda boxed: jax.tree.map(lambda b: (b.value.shape, b.names), boxed,
                                         is_leaf=lambda b: isinstance(b, nn.Partitioned))
   assert describe(boxed_f) == describe(boxed_t)
@@ -219,7 +219,7 @@ def test_fused_qkv_per_shard_equals_one_device(recipe, kv_heads):
   factory = make_dot_general_factory(PrecisionConfig(recipe=recipe, backend="xla"))
   model = Qwen2(cfg, factory)
   loss = _loss(model, tokens)
-  params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens))["params"]
   params = jax.tree_util.tree_map_with_path(   # nonzero biases
       lambda path, p: p + 0.05 if path[-1].key == "bias" else p, params)
   want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params)

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def init(cfg, factory=None, length=16):
   model = Qwen2(cfg) if factory is None else Qwen2(cfg, factory)
   tokens = jnp.zeros((1, length), jnp.int32)
-  params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens)["params"])
   return model, params
 
 
@@ -151,7 +151,7 @@ def test_scan_layers_gives_the_unrolled_logits_and_gradients(remat):
   unrolled, params = init(dataclasses.replace(TINY, remat=remat))
   scanned = Qwen2(dataclasses.replace(TINY, remat=remat, scan_layers=True))
   assert jax.tree.structure(params) == jax.tree.structure(
-      nn.unbox(scanned.init(jax.random.key(0), tokens)["params"]))  # same checkpoints
+      nn.unbox(jax.jit(scanned.init)(jax.random.key(0), tokens)["params"]))  # same checkpoints
   np.testing.assert_allclose(scanned.apply({"params": params}, tokens),
                              unrolled.apply({"params": params}, tokens), rtol=1e-5, atol=1e-5)
   loss = lambda m: lambda p: jnp.mean(m.apply({"params": p}, tokens) ** 2)

@@ -132,7 +132,7 @@ def test_packed_attention_equals_the_dense_reference_on_gpu(kernel):
   cfg = dataclasses.replace(CFG, dtype="bfloat16", max_documents=8, document_kernel=kernel)
   tokens = jax.random.randint(jax.random.key(1), (2, 256), 0, cfg.vocab_size)
   seg = jnp.asarray(_random_segments(np.random.default_rng(3), 2, 256, 7))
-  params = nn.unbox(Qwen2(cfg).init(jax.random.key(0), tokens)["params"])
+  params = nn.unbox(jax.jit(Qwen2(cfg).init)(jax.random.key(0), tokens)["params"])
   outs = {}
   for impl in ("cudnn", "xla"):
     model = Qwen2(dataclasses.replace(cfg, attention=impl))

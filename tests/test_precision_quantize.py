@@ -137,6 +137,18 @@ def test_reciprocal_exact_is_correctly_rounded():
   assert special[0] == 0 and np.isnan(special[1])
 
 
+def test_reciprocal_pow2_is_the_correctly_rounded_reciprocal_of_every_ue8m0_scale():
+  # every power of two a UE8M0 scale can be (the floor 2**-126 up past the E4M3 cap 2**119),
+  # against float64's exact 1 / s and against reciprocal_exact, plus the special values
+  s = np.float32(2.0) ** np.arange(-126, 127, dtype=np.float32)
+  got = np.asarray(jax.jit(formats.reciprocal_pow2)(s))
+  np.testing.assert_array_equal(got, (1.0 / s.astype(np.float64)).astype(np.float32))
+  np.testing.assert_array_equal(got.view(np.uint32),
+                                np.asarray(formats.reciprocal_exact(s)).view(np.uint32))
+  special = np.asarray(formats.reciprocal_pow2(jnp.float32([np.inf, np.nan])))
+  assert special[0] == 0 and np.isnan(special[1])
+
+
 @pytest.mark.parametrize("shape,tile,want", [
     ((4, 8960), (1, 128), (4, 70)),
     ((3, 151936), (1, 128), (3, 1187)),

@@ -93,7 +93,7 @@ def fake_cudnn(monkeypatch):
 def _grad(remat: str):
   model = Qwen2(dataclasses.replace(CFG, remat=remat))
   tokens = jax.random.randint(jax.random.key(1), (2, 128), 0, CFG.vocab_size)
-  params = nn.unbox(Qwen2(CFG).init(jax.random.key(0), tokens)["params"])
+  params = nn.unbox(jax.jit(Qwen2(CFG).init)(jax.random.key(0), tokens)["params"])
   loss = lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2)
   return jax.grad(loss), params, tokens
 

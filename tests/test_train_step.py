@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from infir2_jax.model import ModelConfig, Qwen2
+from infir2_jax.model import ModelConfig, Qwen2, init_params
 from infir2_jax.precision import PrecisionConfig, make_dot_general_factory
 from infir2_jax.config import OptConfig
 from infir2_jax.train.optim import decay_mask, make_optimizer, make_schedule
@@ -32,7 +32,7 @@ def make_batch(rows=8, length=16, seed=0):
 
 def setup(accum=1, tx=None):
   model = Qwen2(TINY)
-  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  params = nn.unbox(init_params(model, jax.random.key(0)))
   opt_cfg = OptConfig(lr=1e-2, warmup_steps=0, clip_norm=0.0)
   tx = tx or make_optimizer(opt_cfg, 10)
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
@@ -131,7 +131,7 @@ def loss_problem(**model_overrides):
   cfg = dataclasses.replace(TINY, vocab_size=vocab, **model_overrides)
   batch = make_batch(rows=4, length=64)
   batch["targets"] = (batch["targets"] * 7) % vocab
-  params = nn.unbox(Qwen2(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  params = nn.unbox(init_params(Qwen2(cfg), jax.random.key(0)))
   return cfg, batch, params
 
 
@@ -238,7 +238,7 @@ def test_fused_loss_needs_a_chunk_and_a_bf16_head():
 
 def test_loss_chunk_must_divide_the_sequence():
   model = Qwen2(dataclasses.replace(TINY, loss_chunk=5))
-  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  params = nn.unbox(init_params(model, jax.random.key(0)))
   with pytest.raises(ValueError, match="loss_chunk=5 must divide the sequence length 16"):
     loss_sums(model, params, make_batch())
   with pytest.raises(ValueError, match="loss_chunk must be >= 0"):
@@ -304,7 +304,7 @@ def _bf16_gradient_params(model, params) -> set[str]:
 def test_bf16_gradients_where_they_are_a_gemm_output_or_a_scanned_slice():
   cfg = dataclasses.replace(TINY, dtype="bfloat16", tie_embeddings=False, remat="full")
   model = Qwen2(cfg)
-  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  params = nn.unbox(init_params(model, jax.random.key(0)))
   names = set(flax.traverse_util.flatten_dict(params, sep="/"))
   kernels = {n for n in names if n.endswith("/kernel")}
   # unrolled layers: the projections' kernels (GEMM operands) and the untied embedding (its
@@ -331,7 +331,7 @@ def test_bf16_gradients_where_they_are_a_gemm_output_or_a_scanned_slice():
     assert _bf16_gradient_params(fp8, params) == kernels | embedding, fused_mlp
   # the tied embedding's cast copy is used twice (lookup and head): a summed cotangent
   tied = Qwen2(dataclasses.replace(cfg, tie_embeddings=True))
-  tied_params = nn.unbox(tied.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  tied_params = nn.unbox(init_params(tied, jax.random.key(0)))
   assert "embed_tokens/embedding" not in _bf16_gradient_params(tied, tied_params)
   # a float32 model casts nothing
   assert not _bf16_gradient_params(Qwen2(dataclasses.replace(cfg, dtype="float32")), params)
@@ -360,7 +360,7 @@ def test_bf16_gradients_are_the_float32_gradients_bit_for_bit(scan, fused, recip
   name, *fused_mlp = recipe.split("~fused_mlp=")
   model = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(
       recipe=name, backend="xla", fused_mlp=not fused_mlp)))
-  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  params = nn.unbox(init_params(model, jax.random.key(0)))
   batch = make_batch()
   (sums, grads) = jax.jit(compute_dtype_grad_fn(model))(params, batch)
   if fused:
@@ -377,7 +377,7 @@ def test_bf16_gradients_are_the_float32_gradients_bit_for_bit(scan, fused, recip
   state = {"step": jnp.int32(0), "params": params, "opt_state": tx.init(params)}
   new, _ = jax.jit(make_train_step(model, tx, make_schedule(opt_cfg, 10)))(state, batch)
   g = jax.tree.map(lambda x: x / batch["loss_mask"].sum(), ref_grads)
-  updates, ref_opt = tx.update(g, state["opt_state"], params)
+  updates, ref_opt = jax.jit(tx.update)(g, state["opt_state"], params)
   for a, b in zip(jax.tree.leaves((new["params"], new["opt_state"])),
                   jax.tree.leaves((optax.apply_updates(params, updates), ref_opt))):
     np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-8)
@@ -390,7 +390,6 @@ def test_bf16_gradients_of_per_shard_fp8_projections_are_the_float32_ones_over_8
   transpose, as before) equal the float32 path's bit for bit."""
   import functools  # pylint: disable=import-outside-toplevel
   from infir2_jax import parallel  # pylint: disable=import-outside-toplevel
-  from infir2_jax.model import init_params  # pylint: disable=import-outside-toplevel
   from infir2_jax.train.step import compute_dtype_grad_fn  # pylint: disable=import-outside-toplevel
   cfg = dataclasses.replace(TINY, dtype="bfloat16", tie_embeddings=False, hidden_size=256,
                             intermediate_size=512, num_heads=2, num_kv_heads=2)
@@ -441,7 +440,6 @@ def test_fused_loss_sharded_over_fsdp_and_tensor_equals_one_device():
   gradients of one device, float32 summation order apart, the head's gradient split too."""
   import functools  # pylint: disable=import-outside-toplevel
   from infir2_jax import parallel  # pylint: disable=import-outside-toplevel
-  from infir2_jax.model import init_params  # pylint: disable=import-outside-toplevel
   cfg, batch, _ = loss_problem(loss_chunk=16, loss_fused=True)
   model = Qwen2(cfg)
   mesh_cfg = parallel.MeshConfig(data=1, fsdp=2, tensor=4)
@@ -473,7 +471,7 @@ def test_fused_fp8_step_equals_the_chain_and_runs_sharded_over_fsdp():
   from infir2_jax import parallel  # pylint: disable=import-outside-toplevel
   from infir2_jax.train.optim import make_apply  # pylint: disable=import-outside-toplevel
   model = Qwen2(dataclasses.replace(TINY, dtype="bfloat16"))
-  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  params = nn.unbox(init_params(model, jax.random.key(0)))
   opt_cfg = OptConfig(lr=1e-2, warmup_steps=0, clip_norm=1.0, moments="fp8",
                       moments_kernel="auto")
   tx, schedule = make_optimizer(opt_cfg, 10), make_schedule(opt_cfg, 10)
@@ -511,7 +509,7 @@ def test_telemetry_step_gives_the_same_bits_with_the_masters_differentiated(monk
   cfg = dataclasses.replace(TINY, dtype="bfloat16", tie_embeddings=False, remat="full")
   model_t = Qwen2(cfg, make_dot_general_factory(
       PrecisionConfig(recipe="infir2", backend="xla"), telemetry=True))
-  params = nn.unbox(model_t.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  params = nn.unbox(init_params(model_t, jax.random.key(0)))
   sinks = telemetry.init_sinks(model_t, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
   batch = make_batch()
   got = {}
@@ -538,7 +536,7 @@ def test_gradients_leave_through_a_barrier_only_where_layers_are_scanned(scan, m
   from infir2_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
   cfg = dataclasses.replace(TINY, dtype="bfloat16", scan_layers=scan)
   model = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(recipe="infir2", backend="xla")))
-  params = nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  params = nn.unbox(init_params(model, jax.random.key(0)))
   batch = make_batch()
 
   def barrier_on_grads(mode):

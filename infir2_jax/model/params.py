@@ -15,8 +15,9 @@ from infir2_jax.model.qwen2 import Qwen2
 
 def init_params(model: nn.Module, rng: jax.Array) -> Any:
   """Boxed (LogicallyPartitioned) params of `model`; the shapes do not depend on the batch,
-  so one token traces the init."""
-  return model.init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+  so one token traces the init. Jitted: called eagerly, the init would run (and compile) the
+  forward op by op."""
+  return jax.jit(model.init)(rng, jnp.zeros((1, 1), jnp.int32))["params"]
 
 
 def abstract_params(model_cfg: ModelConfig) -> Any:

@@ -16,7 +16,8 @@ agrees (checked exhaustively). For "fp32" it is the reciprocal form on purpose: 
 algebraic simplifier turns x / broadcast(s) into x * broadcast(1 / s) on CPU and GPU, so
 the IEEE-division form is not what XLA runs; the Pallas kernels must use this form too.
 And inv is computed with formats.reciprocal_exact (integer long division), not 1 / scale:
-XLA:GPU's f32 division is not correctly rounded, which flipped fp8 roundings on an H200.
+XLA:GPU's f32 division is not correctly rounded, which flipped fp8 roundings on an H200
+(for "ue8m0", formats.reciprocal_pow2: the same exact numbers from the exponent bits).
 
 Decisions:
 - Padding: a tile at the bottom/right edge holds only the real elements (the zero pad used
@@ -134,8 +135,10 @@ def quantize(x: jax.Array, tile: Tile, fmt: str = "e4m3", scale_format: str = "u
   x32 = formats.flush_subnormals(jnp.asarray(x, jnp.float32))
   scale = formats.scale_from_amax(_tile_amax(x32, tile), fmt, scale_format)
   # Barrier: left fusible, XLA inlines the 24-step reciprocal into every element's
-  # expression and compiles for minutes; it belongs on the small scale grid anyway.
-  inv = lax.optimization_barrier(formats.reciprocal_exact(scale))
+  # expression and compiles for minutes; it belongs on the small scale grid anyway. A UE8M0
+  # scale's reciprocal is exact from its exponent bits (the same numbers, far fewer ops).
+  reciprocal = formats.reciprocal_pow2 if scale_format == "ue8m0" else formats.reciprocal_exact
+  inv = lax.optimization_barrier(reciprocal(scale))
   y = x32 * expand_scale(inv, tile, x.shape)
   fmax = jnp.float32(f.max)
   # clip as selects: NaN passes through whatever a backend's min/max do with NaN.
