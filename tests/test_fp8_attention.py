@@ -133,7 +133,7 @@ def test_the_model_hands_its_own_bf16_attention_to_the_backward(monkeypatch):
   GPU cuDNN's packed kernel, not XLA's dense scores), called with the model's config and
   the segment ids; on the CPU its gradients equal fp8_attention's default ones."""
   import flax.linen as nn
-  from infir2_jax.model import ModelConfig, Qwen2
+  from infir2_jax.model import ModelConfig, Qwen2, init_params
   from infir2_jax.model import attention as attention_mod
   cfg = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_layers=1,
                     num_heads=2, num_kv_heads=1, head_dim=128, dtype="bfloat16",
@@ -144,7 +144,7 @@ def test_the_model_hands_its_own_bf16_attention_to_the_backward(monkeypatch):
   positions = jnp.asarray([list(range(50)) + list(range(78))], jnp.int32)
   model = Qwen2(cfg, make_dot_general_factory(PrecisionConfig(backend="xla",
                                                               recipe="infir2_fp8attn")))
-  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens)["params"])
+  params = nn.unbox(init_params(model, jax.random.key(0)))
   loss = lambda p: jnp.mean(model.apply({"params": p}, tokens, positions, segments)
                             .astype(jnp.float32) ** 2)
   reference = jax.jit(jax.grad(loss))(params)   # the backward the model hands over
@@ -218,7 +218,7 @@ def test_the_model_runs_fp8_attention_only_where_the_recipe_says():
   infir2's (attention is quantized) by a few percent at most, equal them bit for bit when an
   override gives every layer infir2 again, and its gradients are finite and nonzero."""
   import flax.linen as nn
-  from infir2_jax.model import ModelConfig, Qwen2
+  from infir2_jax.model import ModelConfig, Qwen2, init_params
   cfg = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_layers=1,
                     num_heads=2, num_kv_heads=1, head_dim=128, dtype="float32",
                     attention="xla", remat="none")
@@ -228,7 +228,7 @@ def test_the_model_runs_fp8_attention_only_where_the_recipe_says():
   positions = jnp.asarray(np.concatenate([np.arange(70), np.arange(58)])[None].repeat(2, 0),
                           jnp.int32)
   model = lambda **kw: Qwen2(cfg, make_dot_general_factory(PrecisionConfig(backend="xla", **kw)))
-  params = nn.unbox(jax.jit(model(recipe="infir2").init)(jax.random.key(0), tokens)["params"])
+  params = nn.unbox(init_params(model(recipe="infir2"), jax.random.key(0)))
   logits = lambda m, p: jax.jit(m.apply)({"params": p}, tokens, positions, segments)
   base = np.asarray(logits(model(recipe="infir2"), params))
   fp8 = np.asarray(logits(model(recipe="infir2_fp8attn"), params))

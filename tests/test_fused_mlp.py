@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infir2_jax.model import ModelConfig, Qwen2
+from infir2_jax.model import ModelConfig, Qwen2, init_params
 from infir2_jax.precision import (
     PrecisionConfig, fused_mlp, make_dot_general, make_dot_general_factory, make_gated_mlp,
     swiglu)
@@ -161,7 +161,7 @@ def test_fused_mlp_per_shard_equals_one_device():
   tokens = jax.random.randint(jax.random.key(2), (4, 128), 0, cfg.vocab_size)
   factory = make_dot_general_factory(PrecisionConfig(recipe="infir2", backend="xla"))
   model, loss = _model_loss(cfg, factory, tokens)
-  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens))["params"]
+  params = nn.unbox(init_params(model, jax.random.key(0)))
   want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params)
   with meshes.fsdp2_tensor2(cfg):
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params)

@@ -10,17 +10,16 @@ import numpy as np
 import pytest
 from jax import lax
 
-from infir2_jax.model import ModelConfig, Qwen2
+from infir2_jax.model import ModelConfig, Qwen2, init_params
 
 TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, dtype="float32")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def init(cfg, factory=None, length=16):
+def init(cfg, factory=None):
   model = Qwen2(cfg) if factory is None else Qwen2(cfg, factory)
-  tokens = jnp.zeros((1, length), jnp.int32)
-  params = nn.unbox(jax.jit(model.init)(jax.random.key(0), tokens)["params"])
+  params = nn.unbox(init_params(model, jax.random.key(0)))
   return model, params
 
 
@@ -151,7 +150,7 @@ def test_scan_layers_gives_the_unrolled_logits_and_gradients(remat):
   unrolled, params = init(dataclasses.replace(TINY, remat=remat))
   scanned = Qwen2(dataclasses.replace(TINY, remat=remat, scan_layers=True))
   assert jax.tree.structure(params) == jax.tree.structure(
-      nn.unbox(jax.jit(scanned.init)(jax.random.key(0), tokens)["params"]))  # same checkpoints
+      nn.unbox(init_params(scanned, jax.random.key(0))))  # same checkpoints
   np.testing.assert_allclose(scanned.apply({"params": params}, tokens),
                              unrolled.apply({"params": params}, tokens), rtol=1e-5, atol=1e-5)
   loss = lambda m: lambda p: jnp.mean(m.apply({"params": p}, tokens) ** 2)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
-from infir2_jax.model import ModelConfig, Qwen2, packed_attention
+from infir2_jax.model import ModelConfig, Qwen2, init_params, packed_attention
 from infir2_jax.model.attention import check_documents
 from infir2_jax.model.remat import CUDNN_ATTENTION_FWD
 
@@ -132,7 +132,7 @@ def test_packed_attention_equals_the_dense_reference_on_gpu(kernel):
   cfg = dataclasses.replace(CFG, dtype="bfloat16", max_documents=8, document_kernel=kernel)
   tokens = jax.random.randint(jax.random.key(1), (2, 256), 0, cfg.vocab_size)
   seg = jnp.asarray(_random_segments(np.random.default_rng(3), 2, 256, 7))
-  params = nn.unbox(jax.jit(Qwen2(cfg).init)(jax.random.key(0), tokens)["params"])
+  params = nn.unbox(init_params(Qwen2(cfg), jax.random.key(0)))
   outs = {}
   for impl in ("cudnn", "xla"):
     model = Qwen2(dataclasses.replace(cfg, attention=impl))

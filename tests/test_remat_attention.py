@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa
 
-from infir2_jax.model import ModelConfig, Qwen2, packed_attention
+from infir2_jax.model import ModelConfig, Qwen2, init_params, packed_attention
 from infir2_jax.model.remat import CUDNN_ATTENTION_FWD
 from test_remat_fp8 import _count_primitives, _opaque
 
@@ -93,7 +93,7 @@ def fake_cudnn(monkeypatch):
 def _grad(remat: str):
   model = Qwen2(dataclasses.replace(CFG, remat=remat))
   tokens = jax.random.randint(jax.random.key(1), (2, 128), 0, CFG.vocab_size)
-  params = nn.unbox(jax.jit(Qwen2(CFG).init)(jax.random.key(0), tokens)["params"])
+  params = nn.unbox(init_params(Qwen2(CFG), jax.random.key(0)))
   loss = lambda p, t: jnp.mean(model.apply({"params": p}, t).astype(jnp.float32) ** 2)
   return jax.grad(loss), params, tokens
 

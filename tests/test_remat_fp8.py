@@ -19,7 +19,7 @@ from jax.extend.core import Jaxpr, Primitive
 from jax.interpreters import mlir
 
 import infir2_jax.precision.kernels as kernels
-from infir2_jax.model import ModelConfig, Qwen2
+from infir2_jax.model import ModelConfig, Qwen2, init_params
 from infir2_jax.precision import (
     PrecisionConfig, gemm, make_dot_general, make_dot_general_factory)
 from tests import meshes
@@ -150,7 +150,7 @@ def test_remat_with_fake_kernels_gives_the_same_gradients(fake_pallas):
   grads = {}
   for remat in ("none", "save_dots", "save_dots_fp8", "full"):
     grad = _grad_fn(remat, dtype="float32", fused_mlp=True)[0]
-    params = nn.unbox(jax.jit(Qwen2(CFG).init)(jax.random.key(0), tokens)["params"])
+    params = nn.unbox(init_params(Qwen2(CFG), jax.random.key(0)))
     grads[remat] = jax.jit(grad)(params, tokens)
   for remat in ("save_dots", "save_dots_fp8", "full"):
     for a, b in zip(jax.tree.leaves(grads["none"]), jax.tree.leaves(grads[remat])):
